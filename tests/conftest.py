@@ -1,0 +1,54 @@
+"""Shared session fixtures: a locally trained tokenizer and tiny random-weight checkpoints.
+
+- `tokenizer_dir`: Path of an HF tokenizer directory (byte-level BPE, ChatML template).
+- `tiny_models`: Mapping family -> checkpoint Path (llama, qwen2, qwen3, mistral), each
+  built on first use and kept for the session.
+- `tiny_model_dir`: one checkpoint Path, parametrised over every family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from fixtures import FAMILIES, build_tiny_checkpoint, train_tokenizer
+
+
+class TinyModels(Mapping[str, Path]):
+    """family -> checkpoint directory; each checkpoint is built the first time it is used."""
+
+    def __init__(self, root: Path, tokenizer_dir: Path) -> None:
+        self._root = root
+        self._tokenizer_dir = tokenizer_dir
+        self._built: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in FAMILIES:
+            raise KeyError(f"unknown family {family!r}; choose one of {FAMILIES}")
+        if family not in self._built:
+            self._built[family] = build_tiny_checkpoint(
+                family, self._root / family, self._tokenizer_dir
+            )
+        return self._built[family]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny_models"), tokenizer_dir)
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_models: TinyModels) -> Path:
+    return tiny_models[request.param]

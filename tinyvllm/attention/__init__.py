@@ -1,0 +1,1 @@
+"""Attention: metadata, backends, the paged KV cache."""

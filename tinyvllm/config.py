@@ -1,0 +1,111 @@
+"""Engine configuration: EngineArgs (the user's knobs, vLLM names) -> EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    model_path: str  # resolved local directory
+    tokenizer: str
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    vocab_size: int
+    seed: int
+    hf_config: Any = field(repr=False, default=None)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    num_blocks: int = 0  # decided by the runner after sizing
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 2048
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "cpu"
+    attention_backend: str | None = None
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """Everything `LLM(...)` accepts; names and defaults follow vLLM."""
+
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    device: str = "auto"
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {unknown}; supported: {sorted(known - {'model'})}"
+            )
+        return cls(model=model, **kwargs)
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

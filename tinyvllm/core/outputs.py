@@ -1,0 +1,62 @@
+"""What crosses between the scheduler and the model runner (plain data, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinyvllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after preemption (recompute)
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds; only what changed since the last step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # Tokens to run this step per request, in batch order (running first, then new).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Draft tokens to verify per request (speculative decoding); empty when off.
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    # Requests that finished or were aborted since the last step: the runner drops their rows.
+    finished_req_ids: set[str]
+    # Requests preempted this step: the runner drops their rows; they come back as new.
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request: the tokens sampled this step (empty for a partial prefill)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request: (token ids, logprobs, rank of column 0) per sampled token, or None.
+    logprobs: list[list[tuple[list[int], list[float], int]] | None] | None = None
+    # Per request: prompt logprobs for the positions computed this step, or None.
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(
+        default_factory=dict
+    )

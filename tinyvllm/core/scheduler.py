@@ -1,0 +1,216 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, preemption by recompute.
+
+There are no prefill or decode phases. Each step hands out one token budget: running
+requests first (in arrival order), then waiting ones (FCFS). A request simply asks for the
+tokens it has not computed yet, so a long prompt is prefilled in chunks across steps while
+other requests keep decoding. When blocks run out, the most recently admitted running request
+is preempted: its blocks are freed and it re-enters the front of the queue to recompute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tinyvllm.config import SchedulerConfig
+from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tinyvllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request, for the engine's output processing."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (stop string, abort, error) requests wherever they are; frees their blocks."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        # Running requests first; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            if request.spec_token_ids:
+                spec_tokens[request.request_id] = list(request.spec_token_ids)
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests, in order, unless this step had to preempt.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=list(self.kv.get_block_ids(request.request_id)),
+                    num_computed_tokens=request.num_computed_tokens,
+                    eos_token_id=request.eos_token_id,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=self._finished_since_last_step,
+            preempted_req_ids=preempted,
+        )
+        self._finished_since_last_step = set()
+        return out
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Append sampled tokens, apply token-level stop conditions, free finished requests."""
+        updates = []
+        for rid, token_ids in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            request = self.requests.get(rid)
+            if request is None or not token_ids:
+                continue  # aborted meanwhile, or a partial prefill chunk
+            accepted: list[int] = []
+            for token in token_ids:
+                request.output_token_ids.append(token)
+                accepted.append(token)
+                if self._check_stop(request, token):
+                    break
+            # Tokens rejected from a speculative run are recomputed later.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            finished = request.status.is_finished
+            if finished:
+                self.running.remove(request)
+                del self.requests[rid]
+                self._release(request)
+            updates.append(RequestUpdate(request, accepted, finished))
+        return updates
+
+    # ---- internals ------------------------------------------------------------------------
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and token in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            if token != request.eos_token_id or params.ignore_eos:
+                request.stop_reason = token
+            return True
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        self._finished_since_last_step.add(request.request_id)

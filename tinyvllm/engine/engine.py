@@ -1,0 +1,247 @@
+"""Engine: add_request / abort / step. One step = schedule -> run the model -> process outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from tinyvllm.config import EngineArgs, EngineConfig
+from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.engine.output_processor import OutputProcessor, ParentState
+from tinyvllm.engine.request import Request, RequestStatus
+from tinyvllm.engine.setup import build_engine_config, load_tokenizer
+from tinyvllm.outputs import RequestMetrics, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class Engine:
+    """The synchronous engine core. Not thread-safe: one thread drives it."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        from tinyvllm.runner.model_runner import ModelRunner
+        from tinyvllm.utils.device import resolve_device, resolve_dtype
+
+        self.config = config
+        self.tokenizer = tokenizer
+        device = resolve_device(config.device.device)
+        dtype = resolve_dtype(config.model.dtype)
+        self.runner = ModelRunner(config, dtype, device)
+        self.kv_cache_manager = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.parents: dict[str, ParentState] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._counter = itertools.count()
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> Engine:
+        args.validate()
+        config = build_engine_config(args)
+        tokenizer = load_tokenizer(config.model.tokenizer, args.trust_remote_code, args.revision)
+        return cls(config, tokenizer)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError naming the problem on bad input."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = str(next(self._counter))
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+
+        max_model_len = self.config.model.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        if self.extra_stop_ids and not params.ignore_eos:
+            stop_ids = sorted(set(params.stop_token_ids or []) | self.extra_stop_ids)
+            params = replace(params, stop_token_ids=stop_ids)
+        if params.n == 1:
+            child_ids, child_params = [request_id], [params]
+        else:
+            child_ids = [f"{i}_{request_id}" for i in range(params.n)]
+            child_params = [
+                replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                for i in range(params.n)
+            ]
+        parent = ParentState(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids)),
+        )
+        self.output_processor.add(parent, child_ids, child_params)
+        self.parents[request_id] = parent
+        for rid, p in zip(child_ids, child_params, strict=True):
+            self._child_to_parent[rid] = request_id
+            self.scheduler.add_request(
+                Request(
+                    request_id=rid,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=p,
+                    eos_token_id=self.eos_token_id,
+                    max_tokens=max_tokens,
+                    arrival_time=arrival,
+                )
+            )
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            child_ids = [c.request_id for c in parent.children]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for cid in child_ids:
+                self._child_to_parent.pop(cid, None)
+                self.output_processor.children.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs for requests that changed (per output_kind)."""
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for new in sched.scheduled_new_reqs:
+            metrics = self.parents[self._child_to_parent[new.req_id]].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        touched: dict[str, ParentState] = {}
+        try:
+            runner_out = self.runner.execute_model(sched)
+        except Exception as exc:  # one bad step must not take the engine down
+            logger.exception("model step failed")
+            failed = list(sched.num_scheduled_tokens)
+            self._fail(failed, f"model step failed: {type(exc).__name__}: {exc}", touched)
+            return self._collect(touched)
+
+        for rid, entries in runner_out.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(rid, entries)
+        logprobs_by_req = dict(
+            zip(runner_out.req_ids, runner_out.logprobs or [], strict=False)
+        )
+        now = time.monotonic()
+        for update in self.scheduler.update_from_output(sched, runner_out):
+            request = update.request
+            rid = request.request_id
+            parent = self.parents[self._child_to_parent[rid]]
+            touched[parent.request_id] = parent
+            finish_reason = request.status.finish_reason if update.finished else None
+            try:
+                stop_string = self.output_processor.on_tokens(
+                    rid,
+                    update.new_token_ids,
+                    logprobs_by_req.get(rid),
+                    finish_reason,
+                    request.stop_reason,
+                    now,
+                )
+            except Exception as exc:  # e.g. a tokenizer that cannot decode: fail this one only
+                logger.exception("output processing failed for %s", rid)
+                self._fail([rid], f"{type(exc).__name__}: {exc}", touched)
+                continue
+            if stop_string is not None and not update.finished:
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+            parent.metrics.num_preemptions = max(
+                parent.metrics.num_preemptions, request.num_preemptions
+            )
+        return self._collect(touched)
+
+    def _fail(self, request_ids: list[str], message: str, touched: dict[str, ParentState]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        for rid in request_ids:
+            parent = self.parents.get(self._child_to_parent.get(rid, ""))
+            if parent is None:
+                continue
+            self.output_processor.finish(rid, "error", error=message)
+            touched[parent.request_id] = parent
+
+    def _collect(self, touched: dict[str, ParentState]) -> list[RequestOutput]:
+        outputs = []
+        for parent in touched.values():
+            out = self.output_processor.make_output(parent)
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self._child_to_parent.pop(c.request_id, None)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    # ---- input handling ------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError(
+                f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+            )
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise TypeError(
+            f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: pass at least one token")
+        max_len = self.config.model.max_model_len
+        if len(prompt_ids) > max_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, longer than max_model_len={max_len}; "
+                "shorten it or raise max_model_len"
+            )
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains out-of-vocabulary id(s) {bad[:5]}; "
+                f"valid ids are 0..{vocab - 1}"
+            )
+
+
+def _generation_config_eos(config: EngineConfig, eos: int | None) -> set[int]:
+    """EOS ids from generation_config.json besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(config.model.model_path)
+    except Exception:
+        return set()
+    ids = gen.eos_token_id
+    if ids is None:
+        return set()
+    ids = {ids} if isinstance(ids, int) else set(ids)
+    return ids - ({eos} if eos is not None else set())

@@ -1,0 +1,89 @@
+"""Resolving EngineArgs against the model on disk: EngineConfig and the tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinyvllm.config import CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ModelConfig
+from tinyvllm.config import SchedulerConfig
+
+
+def build_engine_config(args: EngineArgs) -> EngineConfig:
+    from transformers import AutoConfig
+
+    from tinyvllm.models.loader import resolve_model_path
+    from tinyvllm.models.registry import get_model_class
+    from tinyvllm.utils.device import choose_dtype, resolve_device
+
+    model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            str(model_path), trust_remote_code=args.trust_remote_code
+        )
+    except ValueError as exc:
+        raise ValueError(f"cannot read the model config in {model_path}: {exc}") from exc
+    get_model_class(hf_config)  # unsupported architectures fail before any weights load
+    device = resolve_device(args.device)
+    dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
+
+    derived = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is None:
+        max_model_len = derived
+    elif args.max_model_len > derived:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} is larger than the model's "
+            f"max_position_embeddings={derived}; use at most {derived}"
+        )
+    else:
+        max_model_len = args.max_model_len
+
+    if args.max_num_batched_tokens is not None:
+        max_batched = args.max_num_batched_tokens
+    else:
+        max_batched = 8192 if args.enable_chunked_prefill else max(8192, max_model_len)
+    if max_batched < 1:
+        raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched}")
+    if not args.enable_chunked_prefill and max_batched < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
+            f"{max_model_len}: without chunked prefill a full prompt must fit in one step; "
+            "raise max_num_batched_tokens or enable_chunked_prefill"
+        )
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model,
+            model_path=str(model_path),
+            tokenizer=args.tokenizer or str(model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            vocab_size=hf_config.vocab_size,
+            seed=args.seed,
+            hf_config=hf_config,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            max_model_len=max_model_len,
+        ),
+        device=DeviceConfig(device=str(device), attention_backend=args.attention_backend),
+    )
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot load a tokenizer from {name}: {exc}. The model directory needs "
+            "tokenizer.json or tokenizer.model with tokenizer_config.json"
+        ) from exc

@@ -1,0 +1,133 @@
+"""LLM: the offline batch API, shaped like vLLM's `vllm.LLM`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tinyvllm.config import EngineArgs
+from tinyvllm.engine.engine import Engine, PromptType
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    >>> llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=2048)
+    >>> out = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32))
+    >>> print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
+        self.engine = Engine.from_engine_args(self.engine_args)
+        self._request_counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for all prompts; outputs come back in the prompts' order."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt (text, dict, or a flat list of token ids)
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
+                    "pass one SamplingParams or one per prompt"
+                )
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = str(self._request_counter)
+                self._request_counter += 1
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except ValueError as exc:
+                    raise ValueError(f"prompt {i}: {exc}") from exc
+                request_ids.append(rid)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "this tokenizer has no chat template; pass chat_template=... or use generate()"
+            )
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        num_in = num_out = 0
+        try:
+            while len(results) < len(request_ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if not out.finished:
+                        continue
+                    results[out.request_id] = out
+                    num_in += len(out.prompt_token_ids)
+                    num_out += sum(len(o.token_ids) for o in out.outputs)
+                    if bar is not None:
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(
+                            f"in: {num_in / elapsed:.0f} tok/s, out: {num_out / elapsed:.0f} tok/s"
+                        )
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r] for r in request_ids if r in results]

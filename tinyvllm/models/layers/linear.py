@@ -1,0 +1,133 @@
+"""Linear layers whose parameters know how to load checkpoint tensors.
+
+HF checkpoints store q/k/v and gate/up as separate tensors; we keep them fused so one
+matmul does the work. Every parameter carries `weight_loader(param, loaded, shard_id)`,
+which copies a checkpoint tensor into the right rows of the (possibly fused) parameter.
+A quantized linear can replace these by subclassing `LinearBase` with its own parameters,
+loaders and `forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightLoader(Protocol):
+    def __call__(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None: ...
+
+
+def _check_shape(expected: torch.Size, got: torch.Size) -> None:
+    if tuple(expected) != tuple(got):
+        raise ValueError(f"expected shape {tuple(expected)}, got {tuple(got)}")
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+) -> None:
+    """Copy a whole tensor into an unfused parameter (casting to the parameter's dtype)."""
+    if shard_id is not None:
+        raise ValueError(f"unfused parameter got a shard id {shard_id!r}")
+    _check_shape(param.shape, loaded.shape)
+    param.data.copy_(loaded)
+
+
+def new_parameter(*shape: int, loader: WeightLoader = default_weight_loader) -> nn.Parameter:
+    """An uninitialised inference-only parameter: every value is overwritten by the loader,
+    so random init would only cost time on large models."""
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class LinearBase(nn.Module):
+    """y = x @ W^T (+ b) for inputs [..., input_size] -> [..., output_size].
+
+    Subclasses decide how checkpoint tensors map onto their parameters; `forward` is
+    the only thing the model calls, so a quantized implementation can slot in.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
+        self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        default_weight_loader(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(LinearBase):
+    """A plain linear layer loaded from one checkpoint tensor."""
+
+
+class _ShardedLinear(LinearBase):
+    """Output rows are the concatenation of named shards, each its own checkpoint tensor."""
+
+    def __init__(self, input_size: int, shard_sizes: dict[str | int, int], bias: bool) -> None:
+        offsets: dict[str | int, tuple[int, int]] = {}
+        total = 0
+        for shard_id, size in shard_sizes.items():
+            offsets[shard_id] = (total, size)
+            total += size
+        super().__init__(input_size, total, bias)
+        self.shard_offsets = offsets
+
+    @property
+    def shard_ids(self) -> list[str | int]:
+        return list(self.shard_offsets)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_ids}")
+        offset, size = self.shard_offsets[shard_id]
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target.shape, loaded.shape)
+        target.copy_(loaded)
+
+
+class QKVLinear(_ShardedLinear):
+    """Fused q/k/v projection: output is [q (Hq*D) | k (Hkv*D) | v (Hkv*D)].
+
+    Shard ids are "q", "k" and "v".
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+        self.q_size = q_size
+        self.kv_size = kv_size
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+
+class MergedColumnLinear(_ShardedLinear):
+    """Several projections of the same input stacked along the output (e.g. gate and up).
+
+    Shard ids are the integer positions 0, 1, ... of `output_sizes`.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool) -> None:
+        super().__init__(input_size, dict(enumerate(output_sizes)), bias)
+        self.output_sizes = list(output_sizes)

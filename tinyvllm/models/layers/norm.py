@@ -1,0 +1,44 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tinyvllm.models.layers.linear import new_parameter
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, with the statistics computed in float32.
+
+    `forward(x)` returns the normalised x. `forward(x, residual)` first adds x to the
+    residual stream and returns (normalised sum, sum), so a decoder layer can carry the
+    residual without a separate add kernel.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = new_parameter(hidden_size)
+        # Checkpoints always provide the weight; ones keep a freshly built norm an identity.
+        self.weight.data.fill_(1.0)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        orig_dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # HF casts back before the weight multiply; doing the same keeps bf16 parity.
+        return self.weight * xf.to(orig_dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        # The add happens in the activation dtype, as in HF's `residual + hidden_states`.
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

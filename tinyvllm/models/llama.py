@@ -1,0 +1,247 @@
+"""The Llama family: Llama, Qwen2, Qwen3 and Mistral through config switches.
+
+Parameter names follow HF checkpoints except that q/k/v and gate/up are fused
+(`qkv_proj`, `gate_up_proj`); `load_weights` maps the split checkpoint tensors in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyvllm.attention.layer import Attention
+from tinyvllm.models.layers.activation import SiluAndMul
+from tinyvllm.models.layers.embedding import VocabEmbedding
+from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear
+from tinyvllm.models.layers.norm import RMSNorm
+from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
+from tinyvllm.models.weights import load_named_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from tinyvllm.attention.backend import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class FamilyOptions:
+    """What distinguishes the members of the family beyond their HF config values."""
+
+    # None: read `config.attention_bias`.
+    qkv_bias: bool | None = None
+    o_proj_bias: bool | None = None
+    qk_norm: bool = False
+    # "layer_types": slide only layers marked "sliding_attention" (Qwen2/Qwen3);
+    # "all": every layer slides when `config.sliding_window` is set (Mistral).
+    sliding_window_mode: str = "layer_types"
+
+
+def layer_sliding_windows(config: Any, mode: str) -> list[int | None]:
+    """Per-layer sliding window (None = full attention)."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    if mode == "all":
+        return [window] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        # Pre-v5 Qwen configs: layers from max_window_layers upwards slide.
+        first = getattr(config, "max_window_layers", 0)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        options: FamilyOptions,
+        rotary_emb: RotaryEmbedding,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if options.qkv_bias is None else options.qkv_bias
+        o_bias = attention_bias if options.o_proj_bias is None else options.o_proj_bias
+        self.head_dim = head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.o_proj = ReplicatedLinear(num_heads * head_dim, config.hidden_size, o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            layer_idx,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale=head_dim**-0.5,
+            sliding_window=sliding_window,
+        )
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        # Qwen3 normalises each head separately, before rope.
+        return norm(x.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._head_norm(self.q_norm, q)
+            k = self._head_norm(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; use 'silu'")
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], bias)
+        self.act = SiluAndMul()
+        self.down_proj = ReplicatedLinear(size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        options: FamilyOptions,
+        rotary_emb: RotaryEmbedding,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, options, rotary_emb, sliding_window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the following norm; the first layer has none yet.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_model_len: int, options: FamilyOptions) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # One table shared by all layers; sized for the longest sequence we serve.
+        self.rotary_emb = RotaryEmbedding(RopeConfig.from_hf_config(config), max_model_len)
+        windows = layer_sliding_windows(config, options.sliding_window_mode)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, options, self.rotary_emb, windows[i])
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM: `forward` returns final hidden states; `compute_logits` projects
+    the rows the sampler needs."""
+
+    options: ClassVar[FamilyOptions] = FamilyOptions()
+
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, config: PretrainedConfig, max_model_len: int) -> None:
+        super().__init__()
+        self.config = config
+        self.max_model_len = max_model_len
+        self.model = LlamaModel(config, max_model_len, self.options)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head: ReplicatedLinear | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def _ignored_checkpoint_tensor(self, name: str) -> bool:
+        if "rotary_emb." in name:  # inv_freq / cos / sin caches some exports include
+            return True
+        # Tied checkpoints sometimes still store the (identical) output projection.
+        return self.tie_word_embeddings and name == "lm_head.weight"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors, streamed one by one, into the parameters."""
+        load_named_weights(
+            self,
+            weights,
+            stacked_params=self.stacked_params,
+            ignore=self._ignored_checkpoint_tensor,
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    options: ClassVar[FamilyOptions] = FamilyOptions(sliding_window_mode="all")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    options: ClassVar[FamilyOptions] = FamilyOptions(qkv_bias=True, o_proj_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    options: ClassVar[FamilyOptions] = FamilyOptions(qk_norm=True)

@@ -1,0 +1,201 @@
+"""Finding a model's files, reading its safetensors weights, building the model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from tinyvllm.models.registry import get_model_class
+
+# What a hub download fetches: config, safetensors weights and tokenizer files, never
+# pickled .bin/.pt weights or other formats the repo may also carry.
+HUB_ALLOW_PATTERNS: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(model))
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def resolve_model_path(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """A local model directory, or the snapshot directory of a hub id (downloaded if needed).
+
+    Raises FileNotFoundError when a path does not exist, has no config.json, or a hub
+    model is neither cached nor downloadable; ValueError for a malformed hub id.
+    """
+    if _looks_like_path(model):
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"no such directory: {model!r} (pass a local model directory containing "
+                "config.json, or a Hugging Face hub id such as 'Qwen/Qwen3-0.6B')"
+            )
+        if not path.is_dir():
+            raise FileNotFoundError(f"{model!r} is a file, not a model directory")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model directory {str(path)!r} has no config.json; a model directory needs "
+                "config.json, *.safetensors weights and the tokenizer files"
+            )
+        return path.resolve()
+    return _download_from_hub(model, revision, download_dir)
+
+
+def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    # huggingface_hub reads HF_HUB_OFFLINE once at import; honour a later change too.
+    offline = _env_flag("HF_HUB_OFFLINE") or constants.HF_HUB_OFFLINE
+    try:
+        snapshot = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=download_dir,
+            allow_patterns=list(HUB_ALLOW_PATTERNS),
+            local_files_only=offline,
+        )
+    except HFValidationError as exc:
+        raise ValueError(
+            f"{repo_id!r} is neither an existing local directory nor a valid Hugging Face "
+            f"hub id ({exc})"
+        ) from None
+    except LocalEntryNotFoundError:
+        cache = download_dir or constants.HF_HUB_CACHE
+        if offline:
+            why, fix = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE"
+        else:
+            why, fix = "the Hugging Face hub could not be reached", "check the network connection"
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({cache}) and {why}: "
+            f"{fix}, download it on a machine with network access (`hf download {repo_id}`) "
+            "and copy the cache over, or pass a local model directory"
+        ) from None
+    except GatedRepoError:
+        raise PermissionError(
+            f"model {repo_id!r} is gated: accept its license on huggingface.co and log in "
+            "with `hf auth login` (or set HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise FileNotFoundError(
+            f"revision {revision!r} does not exist for model {repo_id!r}"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"model {repo_id!r} was not found on the Hugging Face hub (check the id; for a "
+            "private repo log in with `hf auth login`)"
+        ) from None
+    path = Path(snapshot)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"hub repo {repo_id!r} has no config.json, so it is not a transformers model"
+        )
+    return path
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / _SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{str(index)!r} is not a valid safetensors index ({exc!r})") from None
+        missing = [name for name in names if not (model_dir / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{_SAFETENSORS_INDEX} in {str(model_dir)!r} references missing shard file(s): "
+                f"{', '.join(missing)} (the download is incomplete)"
+            )
+        return [model_dir / name for name in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    hint = (
+        f"; found {', '.join(pickles)}, but PyTorch pickle weights (.bin/.pt) are not loaded "
+        "because unpickling can run arbitrary code: convert them to safetensors"
+        if pickles
+        else "; .bin/.pt pickle weights are not loaded for safety, only safetensors"
+    )
+    raise FileNotFoundError(f"no *.safetensors weight files in {str(model_dir)!r}{hint}")
+
+
+def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) for every tensor of the checkpoint, one at a time."""
+    for path in _weight_files(Path(model_dir)):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - the handle is not iterable
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(
+                f"cannot read weight file {str(path)!r}: it is corrupt or truncated ({exc}); "
+                "re-download or re-save it"
+            ) from None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_dir: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_model_len: int,
+) -> nn.Module:
+    """Build the registered model class for `hf_config` on `device` in `dtype` and load
+    its safetensors weights from `model_dir`."""
+    model_cls = get_model_class(hf_config)
+    # Parameters are allocated directly on the device in the target dtype (uninitialised:
+    # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(hf_config, max_model_len)  # type: ignore[call-arg]
+    model.load_weights(iter_safetensors_weights(Path(model_dir)))  # type: ignore[operator]
+    return model.eval()

@@ -1,0 +1,67 @@
+"""HF architecture name -> model class, plus the kind of per-request state it needs."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """Where a model class lives and how the runner must treat it."""
+
+    module: str
+    class_name: str
+    # Which runner model-state handles this model: "default" (plain text), later e.g.
+    # "mrope" for video VLMs or "mamba_hybrid" for models with recurrent state.
+    state_kind: str = "default"
+
+    def load_class(self) -> type[nn.Module]:
+        # Imported lazily so that listing architectures never pulls in every model file.
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+_LLAMA = "tinyvllm.models.llama"
+
+_MODELS: Mapping[str, ModelEntry] = MappingProxyType(
+    {
+        "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
+        "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
+        "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
+        "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3ForCausalLM"),
+    }
+)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_architecture(hf_config: Any) -> tuple[str, ModelEntry]:
+    """The first of `config.architectures` we support, with its entry.
+
+    Raises ValueError naming the architecture(s) and listing the supported ones.
+    """
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for arch in architectures:
+        if arch in _MODELS:
+            return arch, _MODELS[arch]
+    supported = ", ".join(supported_architectures())
+    if not architectures:
+        raise ValueError(
+            "the model config has no 'architectures' field, so the model class is unknown; "
+            f"supported architectures: {supported}"
+        )
+    named = ", ".join(repr(arch) for arch in architectures)
+    raise ValueError(
+        f"model architecture {named} is not supported; supported architectures: {supported}"
+    )
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    return resolve_architecture(hf_config)[1].load_class()

@@ -1,0 +1,88 @@
+"""InputBatch: one step's flattened model inputs, gathered from the persistent rows.
+
+Everything per token is computed with tensor ops over the whole batch; Python only touches
+one entry per request (its row index and scheduled token count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.runner.states import RequestStates
+
+
+@dataclass
+class InputBatch:
+    req_ids: list[str]
+    rows: torch.Tensor  # [B] row of each request in RequestStates
+    num_scheduled: torch.Tensor  # [B]
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    # Requests that sample this step (their scheduled tokens reach the end of what is known).
+    sample_idx: torch.Tensor  # [S] batch index of each sampling request
+    logits_indices: torch.Tensor  # [S] flattened token index whose logits are sampled
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+def prepare_inputs(
+    states: RequestStates,
+    req_ids: list[str],
+    num_scheduled_tokens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> InputBatch:
+    num_reqs = len(req_ids)
+    rows = torch.tensor([states.req_id_to_row[r] for r in req_ids], dtype=torch.int64)
+    num_sched = torch.tensor(num_scheduled_tokens, dtype=torch.int64)
+    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)
+    torch.cumsum(num_sched, 0, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), num_sched)
+    row_of_token = rows[req_of_token]
+    computed = states.num_computed_tokens[rows]
+    positions = computed[req_of_token] + torch.arange(num_tokens) - query_start_loc[req_of_token]
+    input_ids = states.token_ids[row_of_token, positions]
+    block_ids = states.block_table[row_of_token, positions // block_size].to(torch.int64)
+    slot_mapping = block_ids * block_size + positions % block_size
+
+    seq_lens = computed + num_sched
+    seq_lens_cpu = seq_lens.tolist()
+    max_seq_len = max(seq_lens_cpu)
+    max_blocks = -(-max_seq_len // block_size)
+    block_table = states.block_table[rows, :max_blocks]
+
+    samples = seq_lens >= states.num_tokens[rows]
+    sample_idx = torch.nonzero(samples).flatten()
+    logits_indices = query_start_loc[1:][sample_idx] - 1
+
+    metadata = AttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+        seq_lens=seq_lens.to(device=device, dtype=torch.int32),
+        block_table=block_table.to(device),
+        slot_mapping=slot_mapping.to(device),
+        max_query_len=int(num_sched.max()),
+        max_seq_len=max_seq_len,
+        query_start_loc_cpu=query_start_loc.tolist(),
+        seq_lens_cpu=seq_lens_cpu,
+        block_size=block_size,
+    )
+    return InputBatch(
+        req_ids=req_ids,
+        rows=rows,
+        num_scheduled=num_sched,
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        attn_metadata=metadata,
+        sample_idx=sample_idx,
+        logits_indices=logits_indices.to(device),
+    )

@@ -1,0 +1,176 @@
+"""ModelRunner: executes one SchedulerOutput and returns the sampled tokens.
+
+The runner never decides policy: it applies the scheduler's decisions to its persistent
+request rows, builds the flattened batch, runs the model once and samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.attention.backend import AttentionMetadata, get_attention_backend
+from tinyvllm.config import EngineConfig
+from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tinyvllm.models.loader import load_model
+from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
+from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
+from tinyvllm.runner.states import RequestStates
+from tinyvllm.sample.logprobs import compute_token_logprobs
+from tinyvllm.sample.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        mc = config.model
+        self.block_size = config.cache.block_size
+        self.model = load_model(mc.model_path, mc.hf_config, dtype, device, mc.max_model_len)
+        self.layers = self.model.attention_layers()
+        self.backend = get_attention_backend(device, config.device.attention_backend)
+
+        self.num_blocks = determine_num_blocks(
+            config.cache,
+            self.layers,
+            dtype,
+            device,
+            mc.max_model_len,
+            config.scheduler.max_num_seqs,
+            profile_peak_bytes=self._profile_peak_bytes if device.type == "cuda" else None,
+        )
+        config.cache.num_blocks = self.num_blocks
+        self.kv_caches = allocate_kv_caches(
+            self.layers, self.backend, self.num_blocks, self.block_size, dtype, device
+        )
+        max_blocks_per_req = -(-mc.max_model_len // self.block_size)
+        # One spare column so the token sampled at max_model_len has somewhere to go.
+        self.states = RequestStates(
+            config.scheduler.max_num_seqs, mc.max_model_len + 1, max_blocks_per_req, mc.vocab_size
+        )
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(mc.seed)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        states = self.states
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            states.remove(req_id)
+        for new in sched.scheduled_new_reqs:
+            states.add(new)
+        cached = sched.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = states.req_id_to_row[req_id]
+            states.append_blocks(row, block_ids)
+            states.num_computed_tokens[row] = num_computed
+        if sched.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+        req_ids = list(sched.num_scheduled_tokens)
+        batch = prepare_inputs(
+            states,
+            req_ids,
+            list(sched.num_scheduled_tokens.values()),
+            self.block_size,
+            self.device,
+        )
+        self.backend.plan(batch.attn_metadata)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list | None = None
+        if batch.sample_idx.numel():
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            sample_rows = batch.rows[batch.sample_idx]
+            metadata = build_sampling_metadata(states, sample_rows, self.generator)
+            out = self.sampler(logits, metadata)
+            tokens = out.sampled_token_ids.to("cpu")
+            self._append_tokens(sample_rows, tokens)
+            token_list = tokens.tolist()
+            sample_idx = batch.sample_idx.tolist()
+            for i, tok in zip(sample_idx, token_list, strict=True):
+                sampled[i] = [tok]
+            if out.logprobs is not None:
+                logprobs = [None] * len(req_ids)
+                per_row = logprobs_to_lists(out.logprobs, [states.num_logprobs[r] for r in
+                                                           sample_rows.tolist()])
+                for i, lp in zip(sample_idx, per_row, strict=True):
+                    logprobs[i] = None if lp is None else [lp]
+        states.num_computed_tokens[batch.rows] += batch.num_scheduled
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _append_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        states = self.states
+        pos = states.num_tokens[rows]
+        states.token_ids[rows, pos] = tokens
+        states.num_tokens[rows] = pos + 1
+
+    def _prompt_logprobs(
+        self, batch: InputBatch, hidden: torch.Tensor
+    ) -> dict[str, list[tuple[list[int], list[float], int]]]:
+        """Logprobs of each prompt token given its prefix, for requests that asked for them."""
+        states = self.states
+        result: dict[str, list[tuple[list[int], list[float], int]]] = {}
+        qsl = batch.attn_metadata.query_start_loc_cpu
+        for i, req_id in enumerate(batch.req_ids):
+            row = int(batch.rows[i])
+            n = states.num_prompt_logprobs[row]
+            if n is None:
+                continue
+            start = int(states.num_computed_tokens[row])
+            num_prompt = int(states.num_prompt_tokens[row])
+            # Position p predicts token p + 1; only positions whose next token is in the prompt.
+            end = min(start + qsl[i + 1] - qsl[i], num_prompt - 1)
+            if end <= start:
+                continue
+            logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + end - start])
+            targets = states.token_ids[row, start + 1 : end + 1].to(self.device)
+            lp = compute_token_logprobs(logits, targets, n)
+            result[req_id] = logprobs_to_lists(lp, [n] * (end - start))
+        return result
+
+    def _profile_peak_bytes(self) -> int:
+        """Run the largest batch the scheduler may send, on a throwaway cache; return the peak."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, self.config.model.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        allocate_kv_caches(
+            self.layers, self.backend, num_blocks, self.block_size, self.dtype, self.device
+        )
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
+        metadata = AttentionMetadata(
+            num_reqs=1,
+            num_actual_tokens=num_tokens,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_table=block_table,
+            slot_mapping=positions.clone(),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_start_loc_cpu=[0, num_tokens],
+            seq_lens_cpu=[num_tokens],
+            block_size=self.block_size,
+        )
+        self.backend.plan(metadata)
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros_like(positions), positions, metadata)
+            self.model.compute_logits(hidden[-sched.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        for layer in self.layers:
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak

@@ -1,0 +1,104 @@
+"""Gathers the sampler's per-step inputs from the persistent rows; shapes its outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.runner.states import RequestStates
+from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata
+from tinyvllm.sample.logprobs import LogprobsTensors
+
+_MIX_A = 0x9E3779B97F4A7C15
+_MIX_B = 0xBF58476D1CE4E5B9
+
+
+def step_seed(seed: int, output_index: int) -> int:
+    """A request's seed for its `output_index`-th token.
+
+    Seeding by position (instead of carrying one generator along) keeps a seeded request's
+    samples identical whatever it is batched with, and across preemption and recompute.
+    """
+    return (seed * _MIX_A + (output_index + 1) * _MIX_B) & (2**63 - 1)
+
+
+def build_sampling_metadata(
+    states: RequestStates, rows: torch.Tensor, default_generator: torch.Generator
+) -> SamplingMetadata:
+    temperature = states.temperature[rows]
+    greedy = temperature < SAMPLING_EPS
+    all_greedy = bool(greedy.all())
+    all_random = not bool(greedy.any())
+    row_list = rows.tolist()
+
+    def used(column: torch.Tensor, neutral: float) -> torch.Tensor | None:
+        values = column[rows]
+        return values if bool((values != neutral).any()) else None
+
+    top_k = top_p = min_p = None
+    if not all_greedy:
+        top_k = used(states.top_k, 0)
+        top_p = used(states.top_p, 1.0)
+        min_p = used(states.min_p, 0.0)
+    repetition = used(states.repetition_penalty, 1.0)
+    presence = used(states.presence_penalty, 0.0)
+    frequency = used(states.frequency_penalty, 0.0)
+
+    prompt_ids = output_ids = None
+    if repetition is not None or presence is not None or frequency is not None:
+        num_tokens = states.num_tokens[rows]
+        num_prompt = states.num_prompt_tokens[rows]
+        width = int(num_tokens.max())
+        tokens = states.token_ids[rows, :width]
+        pos = torch.arange(width).unsqueeze(0)
+        pad = states.vocab_size
+        prompt_ids = torch.where(pos < num_prompt[:, None], tokens, pad)
+        is_output = (pos >= num_prompt[:, None]) & (pos < num_tokens[:, None])
+        output_ids = torch.where(is_output, tokens, pad)
+
+    generators: dict[int, torch.Generator] = {}
+    min_tokens_mask: list[tuple[int, list[int]]] = []
+    num_logprobs = [states.num_logprobs[r] for r in row_list]
+    for i, row in enumerate(row_list):
+        seed = states.seed[row]
+        num_out = int(states.num_tokens[row] - states.num_prompt_tokens[row])
+        if seed is not None and not bool(greedy[i]):
+            gen = torch.Generator(device=default_generator.device)
+            gen.manual_seed(step_seed(seed, num_out))
+            generators[i] = gen
+        if num_out < states.min_tokens[row] and states.min_tokens_ids[row]:
+            min_tokens_mask.append((i, states.min_tokens_ids[row]))
+    wanted = [n for n in num_logprobs if n is not None]
+
+    device = default_generator.device
+    return SamplingMetadata(
+        temperature=temperature.to(device),
+        all_greedy=all_greedy,
+        all_random=all_random,
+        top_k=None if top_k is None else top_k.to(device),
+        top_p=None if top_p is None else top_p.to(device),
+        min_p=None if min_p is None else min_p.to(device),
+        repetition_penalty=None if repetition is None else repetition.to(device),
+        presence_penalty=None if presence is None else presence.to(device),
+        frequency_penalty=None if frequency is None else frequency.to(device),
+        prompt_token_ids=None if prompt_ids is None else prompt_ids.to(device),
+        output_token_ids=None if output_ids is None else output_ids.to(device),
+        generators=generators,
+        max_num_logprobs=max(wanted) if wanted else None,
+        min_tokens_mask=min_tokens_mask,
+    )
+
+
+def logprobs_to_lists(
+    lp: LogprobsTensors, num_logprobs: list[int | None]
+) -> list[tuple[list[int], list[float], int] | None]:
+    """Per row: (token ids, logprobs, rank of the first) trimmed to that row's top-N."""
+    ids = lp.token_ids.tolist()
+    values = lp.logprobs.tolist()
+    ranks = lp.ranks.tolist()
+    out: list[tuple[list[int], list[float], int] | None] = []
+    for i, n in enumerate(num_logprobs):
+        if n is None:
+            out.append(None)
+        else:
+            out.append((ids[i][: n + 1], values[i][: n + 1], ranks[i]))
+    return out

@@ -1,0 +1,93 @@
+"""RequestStates: persistent per-request rows that live across steps.
+
+A request gets a row when it is first scheduled and keeps it until it finishes or is preempted,
+so each step only writes what changed (new blocks, sampled tokens) instead of rebuilding the
+batch from Python objects.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.core.outputs import NewRequestData
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestStates:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.req_id_to_row: dict[str, int] = {}
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+        self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64)
+        self.num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.num_prompt_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
+        self.num_blocks = [0] * max_num_reqs
+
+        # Sampling parameters as columns, gathered per step by row index.
+        self.temperature = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.top_k = torch.zeros(max_num_reqs, dtype=torch.int64)
+        self.top_p = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.min_p = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.repetition_penalty = torch.ones(max_num_reqs, dtype=torch.float32)
+        self.presence_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
+        self.frequency_penalty = torch.zeros(max_num_reqs, dtype=torch.float32)
+        # Python-side per-row facts the sampler reads only for the rows that need them.
+        self.seed: list[int | None] = [None] * max_num_reqs
+        self.num_logprobs: list[int | None] = [None] * max_num_reqs
+        self.num_prompt_logprobs: list[int | None] = [None] * max_num_reqs
+        self.min_tokens: list[int] = [0] * max_num_reqs
+        self.min_tokens_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add(self, new: NewRequestData) -> int:
+        if not self.free_rows:
+            raise RuntimeError("more concurrent requests than max_num_seqs")
+        row = self.free_rows.pop()
+        self.req_id_to_row[new.req_id] = row
+        tokens = new.prompt_token_ids + new.output_token_ids
+        n = len(tokens)
+        self.token_ids[row, :n] = torch.tensor(tokens, dtype=torch.int64)
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+
+        p = new.sampling_params
+        greedy = p.temperature < _GREEDY_EPS
+        self.temperature[row] = 0.0 if greedy else p.temperature
+        self.top_k[row] = 0 if greedy else p.top_k
+        self.top_p[row] = 1.0 if greedy else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.seed[row] = p.seed
+        self.num_logprobs[row] = p.logprobs
+        self.num_prompt_logprobs[row] = p.prompt_logprobs
+        self.min_tokens[row] = p.min_tokens
+        self.min_tokens_ids[row] = sorted(p.stop_ids(new.eos_token_id)) if p.min_tokens else []
+        return row
+
+    def remove(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks[row]
+        end = start + len(block_ids)
+        self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
+        self.num_blocks[row] = end
