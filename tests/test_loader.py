@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCau
 
 
 @pytest.fixture
-def llama_copy(tiny_models: dict[str, Path], tmp_path: Path) -> Path:
+def llama_copy(tiny_models: Mapping[str, Path], tmp_path: Path) -> Path:
     """A private copy of the llama checkpoint that a test may damage."""
     return Path(shutil.copytree(tiny_models["llama"], tmp_path / "llama"))
 
@@ -38,7 +38,7 @@ def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 # --- registry ---------------------------------------------------------------------------
 
 
-def test_registry_resolves_every_family(tiny_models: dict[str, Path]) -> None:
+def test_registry_resolves_every_family(tiny_models: Mapping[str, Path]) -> None:
     assert ", ".join(supported_architectures()) == SUPPORTED
     for family in tiny_models:
         config = AutoConfig.from_pretrained(tiny_models[family])
@@ -62,7 +62,7 @@ def test_unsupported_architecture_lists_supported(llama_copy: Path) -> None:
 # --- resolve_model_path ------------------------------------------------------------------
 
 
-def test_local_directory_resolves(tiny_models: dict[str, Path]) -> None:
+def test_local_directory_resolves(tiny_models: Mapping[str, Path]) -> None:
     assert resolve_model_path(str(tiny_models["llama"])) == tiny_models["llama"].resolve()
 
 
@@ -90,7 +90,7 @@ def test_offline_uncached_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_offline_cached_hub_id(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_models: dict[str, Path]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_models: Mapping[str, Path]
 ) -> None:
     # The layout huggingface_hub writes: refs/<revision> names a snapshot directory.
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -164,7 +164,7 @@ def stream(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor
     yield from tensors.items()
 
 
-def test_missing_tensor_is_named(tiny_models: dict[str, Path]) -> None:
+def test_missing_tensor_is_named(tiny_models: Mapping[str, Path]) -> None:
     tensors = checkpoint(tiny_models["llama"])
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     del tensors["model.norm.weight"]
@@ -174,14 +174,14 @@ def test_missing_tensor_is_named(tiny_models: dict[str, Path]) -> None:
     assert "model.norm.weight" in str(info.value)
 
 
-def test_untied_model_needs_lm_head(tiny_models: dict[str, Path]) -> None:
+def test_untied_model_needs_lm_head(tiny_models: Mapping[str, Path]) -> None:
     tensors = checkpoint(tiny_models["llama"])
     del tensors["lm_head.weight"]
     with pytest.raises(ValueError, match=r"missing 1 tensor.*lm_head\.weight"):
         build_model(tiny_models["llama"]).load_weights(stream(tensors))
 
 
-def test_unexpected_tensor_is_named(tiny_models: dict[str, Path]) -> None:
+def test_unexpected_tensor_is_named(tiny_models: Mapping[str, Path]) -> None:
     tensors = checkpoint(tiny_models["mistral"])
     tensors["model.layers.0.self_attn.q_proj.qweight"] = torch.zeros(4)
     with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0.*qweight'"):
@@ -196,7 +196,9 @@ def test_unexpected_tensor_is_named(tiny_models: dict[str, Path]) -> None:
         ("model.embed_tokens.weight", "(2000, 64)"),  # a plain parameter
     ],
 )
-def test_misshaped_tensor_is_named(tiny_models: dict[str, Path], name: str, expected: str) -> None:
+def test_misshaped_tensor_is_named(
+    tiny_models: Mapping[str, Path], name: str, expected: str
+) -> None:
     tensors = checkpoint(tiny_models["qwen3"])
     tensors[name] = torch.zeros(3, 64)
     with pytest.raises(ValueError) as info:
@@ -206,7 +208,7 @@ def test_misshaped_tensor_is_named(tiny_models: dict[str, Path], name: str, expe
     assert f"expected shape {expected}, got (3, 64)" in message
 
 
-def test_ignored_tensors(tiny_models: dict[str, Path]) -> None:
+def test_ignored_tensors(tiny_models: Mapping[str, Path]) -> None:
     model_dir = tiny_models["qwen2"]  # tied embeddings
     tensors = checkpoint(model_dir)
     assert "lm_head.weight" not in tensors
@@ -219,7 +221,7 @@ def test_ignored_tensors(tiny_models: dict[str, Path]) -> None:
     assert torch.equal(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
 
 
-def test_fused_weights_land_at_the_right_offsets(tiny_models: dict[str, Path]) -> None:
+def test_fused_weights_land_at_the_right_offsets(tiny_models: Mapping[str, Path]) -> None:
     tensors = checkpoint(tiny_models["qwen2"])
     model = build_model(tiny_models["qwen2"])
     model.load_weights(stream(tensors))
@@ -234,7 +236,7 @@ def test_fused_weights_land_at_the_right_offsets(tiny_models: dict[str, Path]) -
     assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate, up]))
 
 
-def test_load_model_in_bfloat16(tiny_models: dict[str, Path]) -> None:
+def test_load_model_in_bfloat16(tiny_models: Mapping[str, Path]) -> None:
     model_dir = tiny_models["llama"]
     config = AutoConfig.from_pretrained(model_dir)
     model = load_model(model_dir, config, torch.bfloat16, torch.device("cpu"), 64)

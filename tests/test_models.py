@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -122,7 +122,7 @@ def test_qwen2_mixed_full_and_sliding_layers(tmp_path: Path, tokenizer_dir: Path
     check_chunked_schedule(model_dir)
 
 
-def test_attention_layer_layout(tiny_models: dict[str, Path]) -> None:
+def test_attention_layer_layout(tiny_models: Mapping[str, Path]) -> None:
     for family, window in [("llama", None), ("qwen2", None), ("qwen3", None), ("mistral", 8)]:
         model, _ = load_ours(tiny_models[family])
         layers = model.attention_layers()
@@ -138,7 +138,7 @@ def test_attention_layer_layout(tiny_models: dict[str, Path]) -> None:
     assert qwen2.model.layers[0].self_attn.o_proj.bias is None
 
 
-def test_bfloat16_close_to_transformers(tiny_models: dict[str, Path]) -> None:
+def test_bfloat16_close_to_transformers(tiny_models: Mapping[str, Path]) -> None:
     model_dir = tiny_models["qwen3"]
     model, backend = load_ours(model_dir, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -56,6 +56,7 @@ class EngineArgs:
 
     model: str
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     revision: str | None = None
     download_dir: str | None = None
     trust_remote_code: bool = False

@@ -29,8 +29,11 @@ class PromptParity:
         for i, (a, b) in enumerate(zip(self.ours, self.reference, strict=False)):
             if a != b:
                 return i
-        return None if len(self.ours) == len(self.reference) else min(len(self.ours),
-                                                                      len(self.reference))
+        return (
+            None
+            if len(self.ours) == len(self.reference)
+            else min(len(self.ours), len(self.reference))
+        )
 
 
 @dataclass

@@ -40,14 +40,16 @@ class Engine:
         self.parents: dict[str, ParentState] = {}
         self._child_to_parent: dict[str, str] = {}
         self._counter = itertools.count()
-        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
         self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
         args.validate()
         config = build_engine_config(args)
-        tokenizer = load_tokenizer(config.model.tokenizer, args.trust_remote_code, args.revision)
+        tokenizer = None
+        if not args.skip_tokenizer_init:
+            tokenizer = load_tokenizer(config.model.tokenizer, args.trust_remote_code)
         return cls(config, tokenizer)
 
     # ---- requests ------------------------------------------------------------------------
@@ -145,9 +147,7 @@ class Engine:
 
         for rid, entries in runner_out.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, entries)
-        logprobs_by_req = dict(
-            zip(runner_out.req_ids, runner_out.logprobs or [], strict=False)
-        )
+        logprobs_by_req = dict(zip(runner_out.req_ids, runner_out.logprobs or [], strict=False))
         now = time.monotonic()
         for update in self.scheduler.update_from_output(sched, runner_out):
             request = update.request
@@ -199,6 +199,11 @@ class Engine:
     # ---- input handling ------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "text prompts need a tokenizer, but the engine was started with "
+                    "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead"
+                )
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -230,6 +235,15 @@ class Engine:
                 f"prompt_token_ids contains out-of-vocabulary id(s) {bad[:5]}; "
                 f"valid ids are 0..{vocab - 1}"
             )
+
+
+def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    eos = getattr(config.model.hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
 
 
 def _generation_config_eos(config: EngineConfig, eos: int | None) -> set[int]:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinyvllm.config import CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ModelConfig
-from tinyvllm.config import SchedulerConfig
+from tinyvllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 
 
 def build_engine_config(args: EngineArgs) -> EngineConfig:
@@ -77,7 +83,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     )
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:

@@ -97,8 +97,9 @@ class ModelRunner:
                 sampled[i] = [tok]
             if out.logprobs is not None:
                 logprobs = [None] * len(req_ids)
-                per_row = logprobs_to_lists(out.logprobs, [states.num_logprobs[r] for r in
-                                                           sample_rows.tolist()])
+                per_row = logprobs_to_lists(
+                    out.logprobs, [states.num_logprobs[r] for r in sample_rows.tolist()]
+                )
                 for i, lp in zip(sample_idx, per_row, strict=True):
                     logprobs[i] = None if lp is None else [lp]
         states.num_computed_tokens[batch.rows] += batch.num_scheduled

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from tinyvllm.runner.states import RequestStates
-from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata
 from tinyvllm.sample.logprobs import LogprobsTensors
+from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata
 
 _MIX_A = 0x9E3779B97F4A7C15
 _MIX_B = 0xBF58476D1CE4E5B9
@@ -83,6 +83,7 @@ def build_sampling_metadata(
         prompt_token_ids=None if prompt_ids is None else prompt_ids.to(device),
         output_token_ids=None if output_ids is None else output_ids.to(device),
         generators=generators,
+        default_generator=default_generator,
         max_num_logprobs=max(wanted) if wanted else None,
         min_tokens_mask=min_tokens_mask,
     )

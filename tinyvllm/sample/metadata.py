@@ -29,6 +29,7 @@ class SamplingMetadata:
     - `output_token_ids`: [B, O] int64 padded with `vocab_size`; needed for any penalty.
     - `generators`: row -> the request's own generator (seeded requests). Only rows that
       sample randomly need one; a greedy row's generator is never read.
+    - `default_generator`: the noise source of all other random rows (the engine's seed).
     - `max_num_logprobs`: None when no row wants logprobs; else the largest top-N over rows
       (0 = the sampled token only). The runner slices each row's top-N out of the result.
     - `min_tokens_mask`: (row, token ids to forbid) for rows still below `min_tokens`.
@@ -46,6 +47,7 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    default_generator: torch.Generator | None = None
     max_num_logprobs: int | None = None
     min_tokens_mask: list[tuple[int, list[int]]] = field(default_factory=list)
 

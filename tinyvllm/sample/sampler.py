@@ -60,7 +60,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         top_k = torch.where(metadata.temperature < SAMPLING_EPS, 1, top_k)
     if top_k is not None or metadata.top_p is not None:
         apply_top_k_top_p_(logits, top_k, metadata.top_p)
-    sampled = random_sample(logits.softmax(dim=-1), metadata.generators)
+    sampled = random_sample(logits.softmax(dim=-1), metadata.generators, metadata.default_generator)
 
     if greedy is None:
         return sampled
@@ -148,12 +148,17 @@ def apply_top_k_top_p_(
     logits.masked_fill_(logits < threshold, -math.inf)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Categorical sample per row via argmax(probs / q), q ~ Exp(1) (the exponential race).
 
     Unlike torch.multinomial this lets each seeded row draw its noise from its own generator
     (one row of V draws per step, so a seed reproduces regardless of batch order or size),
-    while all other rows share a single vectorised draw from the global RNG.
+    while all other rows share a single vectorised draw from `default_generator` (the engine's
+    seeded generator; the global RNG when None).
     Consumes `probs`.
     """
     q = torch.empty_like(probs)
@@ -163,7 +168,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     # only allowed token.
     low = torch.finfo(q.dtype).tiny
     if len(generators) < probs.shape[0]:
-        q.uniform_(low, 1.0)
+        q.uniform_(low, 1.0, generator=default_generator)
     for row, generator in generators.items():
         q[row].uniform_(low, 1.0, generator=generator)
     # -log(u) is Exp(1); on CPU this is several times faster than exponential_.

@@ -1,0 +1,582 @@
+"""Offline throughput, side by side: tinyvllm vs HF transformers `generate` in one process.
+
+Both engines run the same random-weight SmolLM2-135M-shaped Llama (bf16) on the same token ids;
+vLLM and llama.cpp join when they are importable. Prints a markdown table with the ratio and
+optionally writes the same numbers as JSON. Usage: see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL_DIR = Path("~/.cache/tinyvllm/bench/smollm2-135m-random")
+MAX_MODEL_LEN = 1024  # (d) needs 512 prompt + 512 output tokens
+PAD_ID = 0  # the checkpoint has no pad token; 0 is neither BOS (1) nor EOS (2)
+FIRST_ID = 3  # prompts avoid the special ids so no engine treats them specially
+INIT_STD = 0.02
+
+# SmolLM2-135M's shape with a smaller vocabulary (no tokenizer is needed for token-id prompts).
+MODEL_CONFIG: dict[str, Any] = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "tie_word_embeddings": True,
+    "vocab_size": 16384,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+QUICK_LAYERS = 4
+
+
+# ---- checkpoint ---------------------------------------------------------------------------
+def build_checkpoint(model_dir: str, num_layers: int, seed: int) -> None:
+    """Save a deterministic random-weight bf16 checkpoint to `model_dir` (atomically)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{**MODEL_CONFIG, "num_hidden_layers": num_layers})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Our own generator rather than HF's init, so the weights do not drift between versions.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(INIT_STD * torch.randn(param.shape, generator=gen))
+    model = model.to(torch.bfloat16)
+    target = Path(model_dir)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    # transformers 5 always writes safetensors and no longer takes `safe_serialization`.
+    model.save_pretrained(tmp)
+    tmp.rename(target)
+
+
+def ensure_checkpoint(model_dir: Path, num_layers: int, seed: int) -> float:
+    """Build the checkpoint once; returns the build time (0 when it was cached)."""
+    config_path = model_dir / "config.json"
+    if config_path.exists():
+        cached = json.loads(config_path.read_text())
+        if cached.get("num_hidden_layers") != num_layers:
+            raise SystemExit(
+                f"{model_dir} holds a {cached.get('num_hidden_layers')}-layer checkpoint but this "
+                f"run needs {num_layers} layers; pass another --model-dir or delete that one"
+            )
+        return 0.0
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    # A child process, so building (fp32 weights) does not count towards this process's peak RSS.
+    proc = multiprocessing.get_context("spawn").Process(
+        target=build_checkpoint, args=(str(model_dir), num_layers, seed)
+    )
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        raise SystemExit(f"building the checkpoint in {model_dir} failed (exit {proc.exitcode})")
+    return time.perf_counter() - start
+
+
+# ---- workloads ----------------------------------------------------------------------------
+@dataclass
+class Workload:
+    key: str
+    label: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    unit: str  # "out" (generated tokens / s) or "prompt" (prefill tokens / s)
+
+    @property
+    def counted_tokens(self) -> int:
+        if self.unit == "prompt":
+            return sum(len(p) for p in self.prompts)
+        return sum(self.max_tokens)
+
+
+def make_workloads(keys: Sequence[str], quick: bool, vocab: int, seed: int) -> list[Workload]:
+    # (num prompts, prompt len, new tokens) for the fixed-shape workloads; the mix is (d).
+    if quick:
+        fixed = {"a": (4, 32, 16), "b": (1, 32, 16), "c": (2, 128, 1)}
+        mix_n, mix_lo, mix_hi = 8, 16, 64
+    else:
+        fixed = {"a": (16, 32, 128), "b": (1, 32, 128), "c": (8, 512, 1)}
+        mix_n, mix_lo, mix_hi = 64, 64, 512
+    out: list[Workload] = []
+    for index, key in enumerate("abcd"):
+        if key not in keys:
+            continue
+        # One generator per workload, so selecting a subset does not change any ids.
+        rng = np.random.default_rng(seed + index)
+        if key in fixed:
+            n, plen, new = fixed[key]
+            prompts = rng.integers(FIRST_ID, vocab, size=(n, plen)).tolist()
+            label = f"({key}) {n} x {plen} -> {new}"
+            unit = "prompt" if key == "c" else "out"
+            if key == "c":
+                label = f"({key}) prefill {n} x {plen} -> {new}"
+            out.append(Workload(key, label, prompts, [new] * n, unit))
+        else:
+            in_lens = rng.integers(mix_lo, mix_hi + 1, size=mix_n)
+            out_lens = rng.integers(mix_lo, mix_hi + 1, size=mix_n)
+            prompts = [rng.integers(FIRST_ID, vocab, size=int(n)).tolist() for n in in_lens]
+            label = f"(d) mix {mix_n} req, in/out U[{mix_lo},{mix_hi}]"
+            out.append(Workload(key, label, prompts, [int(n) for n in out_lens], "out"))
+    return out
+
+
+def warmup_workload(vocab: int, long_len: int) -> Workload:
+    """Short batched prefill + decode, with one long prompt, so first-call costs are paid."""
+    rng = np.random.default_rng(12345)
+    prompts = rng.integers(FIRST_ID, vocab, size=(4, 32)).tolist()
+    prompts.append(rng.integers(FIRST_ID, vocab, size=long_len).tolist())
+    return Workload("warmup", "warm-up", prompts, [8] * len(prompts), "out")
+
+
+# ---- measurement --------------------------------------------------------------------------
+@dataclass
+class Measurement:
+    wall_s: float
+    tokens: int  # counted tokens (generated, or prompt for prefill)
+    tok_s: float
+    ttft_ms: float | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "wall_s": round(self.wall_s, 4),
+            "tokens": self.tokens,
+            "tok_s": round(self.tok_s, 2),
+            "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 2),
+        }
+
+
+@dataclass
+class EngineRun:
+    name: str
+    startup_s: float | None = None
+    peak_rss_mib: float | None = None
+    results: dict[str, Measurement] = field(default_factory=dict)
+    skipped: str | None = None  # why the engine (or part of it) did not run
+    notes: list[str] = field(default_factory=list)
+
+
+def peak_rss_mib() -> float:
+    # ru_maxrss is KiB on Linux (bytes on macOS, where this reads 1024x too high).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _check_lengths(name: str, wl: Workload, outputs: list[list[int]]) -> None:
+    got = [len(o) for o in outputs]
+    if got != wl.max_tokens:
+        bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, wl.max_tokens)) if g != w][:3]
+        raise RuntimeError(f"{name} {wl.key}: wrong output lengths (index, got, want) {bad}")
+
+
+def run_vllm_api(
+    name: str,
+    llm_cls: Callable[..., Any],
+    params_cls: Callable[..., Any],
+    model_dir: Path,
+    workloads: list[Workload],
+    engine_kwargs: dict[str, Any],
+    warmup: Workload,
+) -> EngineRun:
+    """tinyvllm and vLLM share this: same constructor keywords, same generate() call."""
+    run = EngineRun(name)
+    start = time.perf_counter()
+    llm = llm_cls(model=str(model_dir), **engine_kwargs)
+    run.startup_s = time.perf_counter() - start
+
+    def generate(wl: Workload) -> tuple[float, list[Any]]:
+        prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+        params = [
+            params_cls(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens
+        ]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    generate(warmup)
+    for wl in workloads:
+        wall, outs = generate(wl)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        _check_lengths(name, wl, tokens)
+        ttfts = [o.metrics.ttft for o in outs if getattr(o, "metrics", None) is not None]
+        ttfts = [t for t in ttfts if t is not None]
+        ttft_ms = 1000 * statistics.mean(ttfts) if ttfts else None
+        run.results[wl.key] = Measurement(
+            wall, wl.counted_tokens, wl.counted_tokens / wall, ttft_ms, tokens
+        )
+    run.peak_rss_mib = peak_rss_mib()
+    del llm
+    gc.collect()
+    return run
+
+
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy, exactly `new_tokens` per row; left padding when prompt lengths differ."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=PAD_ID,
+        bos_token_id=MODEL_CONFIG["bos_token_id"],
+    )
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return out[:, width:].tolist()
+
+
+def run_hf(
+    model_dir: Path, workloads: list[Workload], warmup: Workload, mix_batch: int, skip_mix: bool
+) -> EngineRun:
+    from transformers import AutoModelForCausalLM
+
+    run = EngineRun("HF")
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    model.eval()
+    # generate() fills an unset eos_token_id from here; with none, EOS neither stops a row nor
+    # gets suppressed, which is exactly tinyvllm's ignore_eos (greedy paths stay comparable).
+    model.generation_config.eos_token_id = None
+    run.startup_s = time.perf_counter() - start
+
+    hf_generate(model, warmup.prompts, warmup.max_tokens[0])
+    for wl in workloads:
+        if wl.key == "d" and skip_mix:
+            run.notes.append("(d) skipped (--skip-hf-mix)")
+            continue
+        # HF has one max_new_tokens per batch: the mix runs in fixed-size batches padded to
+        # their longest output; only the requested tokens count towards tok/s.
+        batch = mix_batch if wl.key == "d" else len(wl.prompts)
+        tokens: list[list[int]] = []
+        start = time.perf_counter()
+        for lo in range(0, len(wl.prompts), batch):
+            wants = wl.max_tokens[lo : lo + batch]
+            rows = hf_generate(model, wl.prompts[lo : lo + batch], max(wants))
+            tokens.extend(r[:w] for r, w in zip(rows, wants, strict=True))
+        wall = time.perf_counter() - start
+        _check_lengths("HF", wl, tokens)
+        run.results[wl.key] = Measurement(wall, wl.counted_tokens, wl.counted_tokens / wall, None,
+                                          tokens)
+        if wl.key == "d":
+            generated = sum(
+                max(wl.max_tokens[lo : lo + batch]) * len(wl.max_tokens[lo : lo + batch])
+                for lo in range(0, len(wl.prompts), batch)
+            )
+            run.notes.append(
+                f"(d) HF ran in batches of {batch} with left padding and max_new_tokens = the "
+                f"batch's longest request; tok/s counts only the {wl.counted_tokens} requested "
+                f"tokens (it generated {generated})"
+            )
+    run.peak_rss_mib = peak_rss_mib()
+    del model
+    gc.collect()
+    return run
+
+
+def run_llama_cpp(gguf: Path, workloads: list[Workload], threads: int) -> EngineRun:
+    """Best-effort: llama-cpp-python has no batched API, so requests run one after another."""
+    from llama_cpp import Llama
+
+    run = EngineRun("llama.cpp")
+    start = time.perf_counter()
+    llm = Llama(model_path=str(gguf), n_ctx=MAX_MODEL_LEN, n_batch=512, n_threads=threads,
+                verbose=False)
+    run.startup_s = time.perf_counter() - start
+    run.notes.append("llama.cpp runs requests sequentially (no batched high-level API)")
+    for wl in workloads:
+        tokens: list[list[int]] = []
+        start = time.perf_counter()
+        for prompt, want in zip(wl.prompts, wl.max_tokens, strict=True):
+            llm.reset()
+            llm.eval(prompt)
+            row: list[int] = []
+            while len(row) < want:
+                tok = int(llm.sample(top_k=1, temp=0.0))
+                row.append(tok)
+                if len(row) < want:
+                    llm.eval([tok])
+            tokens.append(row)
+        wall = time.perf_counter() - start
+        run.results[wl.key] = Measurement(wall, wl.counted_tokens, wl.counted_tokens / wall, None,
+                                          tokens)
+    run.peak_rss_mib = peak_rss_mib()
+    return run
+
+
+def run_peers(
+    args: argparse.Namespace,
+    model_dir: Path,
+    workloads: list[Workload],
+    engine_kwargs: dict[str, Any],
+    warmup: Workload,
+) -> list[EngineRun]:
+    """vLLM and llama.cpp when importable; any failure is reported, never fatal."""
+    runs: list[EngineRun] = []
+    if importlib.util.find_spec("vllm") is None:
+        print("peer vLLM: skipped (vllm is not installed)")
+    else:
+        try:
+            import vllm
+
+            runs.append(run_vllm_api("vLLM", vllm.LLM, vllm.SamplingParams, model_dir, workloads,
+                                     engine_kwargs, warmup))
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"peer vLLM: failed ({type(exc).__name__}: {exc})")
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("peer llama.cpp: skipped (llama_cpp is not installed)")
+    elif args.gguf is None:
+        print("peer llama.cpp: skipped (pass --gguf: the checkpoint converted with llama.cpp's "
+              "convert_hf_to_gguf.py --outtype bf16)")
+    else:
+        try:
+            runs.append(run_llama_cpp(args.gguf, workloads, torch.get_num_threads()))
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"peer llama.cpp: failed ({type(exc).__name__}: {exc})")
+    return runs
+
+
+# ---- report -------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu in ("unknown", "", platform.machine()):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cores_visible": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+        os.cpu_count(),
+        "cpu_count": os.cpu_count(),
+        # bf16 matmuls are only fast with native bf16 instructions; say whether we have them.
+        "bf16_isa": sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"}),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    first = sum(x[:1] == y[:1] for x, y in zip(a, b, strict=True))
+    return f"{same}/{len(a)} identical, {first}/{len(a)} same first token"
+
+
+def render(
+    workloads: list[Workload], runs: list[EngineRun], info: dict[str, Any], build_s: float
+) -> str:
+    tiny, hf, peers = runs[0], runs[1] if len(runs) > 1 else None, runs[2:]
+    head = ["workload", "tinyvllm tok/s", "HF tok/s", "ratio (tinyvllm/HF)"]
+    head += [f"{p.name} tok/s" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def fmt(run: EngineRun | None, key: str) -> str:
+        m = run.results.get(key) if run is not None else None
+        return f"{m.tok_s:,.1f}" if m else "-"
+
+    for wl in workloads:
+        t, h = tiny.results.get(wl.key), hf.results.get(wl.key) if hf else None
+        ratio = f"{t.tok_s / h.tok_s:.2f}x" if t and h else "-"
+        unit = "prompt tok/s" if wl.unit == "prompt" else "out tok/s"
+        row = [f"{wl.label} [{unit}]", fmt(tiny, wl.key), fmt(hf, wl.key), ratio]
+        row += [fmt(p, wl.key) for p in peers]
+        lines.append("| " + " | ".join(row) + " |")
+
+    lines += ["", "| engine | workload | wall s | tokens | mean TTFT ms | greedy vs HF |",
+              "|---|---|---|---|---|---|"]
+    for run in runs:
+        for wl in workloads:
+            m = run.results.get(wl.key)
+            if m is None:
+                continue
+            agree = "-"
+            if run is not hf and hf is not None and wl.key in hf.results:
+                agree = greedy_agreement(m.outputs, hf.results[wl.key].outputs)
+            ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
+            lines.append(f"| {run.name} | ({wl.key}) | {m.wall_s:.2f} | {m.tokens} | {ttft} | "
+                         f"{agree} |")
+    lines.append("")
+    for run in runs:
+        startup = f"{run.startup_s:.2f} s" if run.startup_s is not None else "-"
+        rss = f"{run.peak_rss_mib:,.0f} MiB" if run.peak_rss_mib is not None else "-"
+        lines.append(f"- {run.name}: start-up {startup}, process peak RSS after its runs {rss}")
+        lines += [f"  - {note}" for note in run.notes]
+    lines.append(
+        "- peak RSS is the whole process (getrusage): tinyvllm runs first, so its figure is "
+        "tinyvllm alone; later engines' figures include whatever earlier ones left resident"
+    )
+    if build_s:
+        lines.append(f"- checkpoint built in {build_s:.1f} s (cached for later runs)")
+    lines.append(
+        f"- machine: {info['cpu']}, {info['cores_visible']} cores visible "
+        f"(cpu_count {info['cpu_count']}), ISA {'/'.join(info['bf16_isa']) or '?'}, "
+        f"torch {info['torch']} ({info['torch_threads']} threads), transformers "
+        f"{info['transformers']}, Python {info['python']}, {info['date']}"
+    )
+    return "\n".join(lines)
+
+
+def to_json(
+    args: argparse.Namespace,
+    workloads: list[Workload],
+    runs: list[EngineRun],
+    info: dict[str, Any],
+    engine_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "machine": info,
+        "model_dir": str(args.model_dir),
+        "quick": args.quick,
+        "seed": args.seed,
+        "tinyvllm_kwargs": engine_kwargs,
+        "workloads": {
+            wl.key: {"label": wl.label, "unit": wl.unit, "counted_tokens": wl.counted_tokens,
+                     "num_requests": len(wl.prompts)}
+            for wl in workloads
+        },
+        "engines": {
+            run.name: {
+                "startup_s": run.startup_s,
+                "peak_rss_mib": run.peak_rss_mib,
+                "notes": run.notes,
+                "results": {k: m.to_json() for k, m in run.results.items()},
+            }
+            for run in runs
+        },
+        "ratio_tinyvllm_over_hf": {
+            wl.key: runs[0].results[wl.key].tok_s / runs[1].results[wl.key].tok_s
+            for wl in workloads
+            if len(runs) > 1 and wl.key in runs[0].results and wl.key in runs[1].results
+        },
+    }
+
+
+# ---- main ---------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help=f"checkpoint cache (default {DEFAULT_MODEL_DIR}, '-quick' suffix with "
+                        "--quick); built on first use")
+    p.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_LAYERS} layers and small workloads, to check the script runs")
+    p.add_argument("--skip-hf", action="store_true", help="run tinyvllm (and peers) only")
+    p.add_argument("--skip-hf-mix", action="store_true", help="skip HF on (d), its slowest part")
+    p.add_argument("--hf-mix-batch", type=int, default=16, help="HF batch size for (d)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: leave torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and token ids")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--gguf", type=Path, default=None, help="GGUF of the checkpoint for llama.cpp")
+    p.add_argument("--no-peers", action="store_true", help="do not try vLLM / llama.cpp")
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
+    bad = sorted(set(keys) - set("abcd"))
+    if bad or not keys:
+        p.error(f"--workloads takes a comma-separated subset of a,b,c,d; got {args.workloads!r}")
+    args.workload_keys = keys
+    if args.model_dir is None:
+        suffix = "-quick" if args.quick else ""
+        args.model_dir = DEFAULT_MODEL_DIR.with_name(DEFAULT_MODEL_DIR.name + suffix)
+    args.model_dir = args.model_dir.expanduser()
+    if args.hf_mix_batch < 1:
+        p.error(f"--hf-mix-batch must be at least 1, got {args.hf_mix_batch}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    num_layers = QUICK_LAYERS if args.quick else MODEL_CONFIG["num_hidden_layers"]
+    build_s = ensure_checkpoint(args.model_dir, num_layers, args.seed)
+    vocab = MODEL_CONFIG["vocab_size"]
+    workloads = make_workloads(args.workload_keys, args.quick, vocab, args.seed)
+    warmup = warmup_workload(vocab, 128 if args.quick else 512)
+    engine_kwargs: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "skip_tokenizer_init": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "seed": args.seed,
+    }
+    info = machine_info()
+    print(f"model {args.model_dir} ({num_layers} layers), torch threads {info['torch_threads']}",
+          flush=True)
+
+    if importlib.util.find_spec("tinyvllm") is None:
+        # Run from a source checkout without `pip install -e .`: use the repo this file is in.
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tinyvllm import LLM, SamplingParams
+
+    runs = [run_vllm_api("tinyvllm", LLM, SamplingParams, args.model_dir, workloads,
+                         engine_kwargs, warmup)]
+    print(f"tinyvllm done: { {k: round(m.tok_s, 1) for k, m in runs[0].results.items()} }",
+          flush=True)
+    if args.skip_hf:
+        runs.append(EngineRun("HF", skipped="--skip-hf"))
+    else:
+        runs.append(run_hf(args.model_dir, workloads, warmup, args.hf_mix_batch,
+                           args.skip_hf_mix))
+        print(f"HF done: { {k: round(m.tok_s, 1) for k, m in runs[1].results.items()} }",
+              flush=True)
+    if not args.no_peers:
+        runs += run_peers(args, args.model_dir, workloads, engine_kwargs, warmup)
+
+    print()
+    print(render(workloads, runs, info, build_s))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = to_json(args, workloads, runs, info, engine_kwargs)
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

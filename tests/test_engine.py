@@ -1,0 +1,271 @@
+"""End to end: tinyvllm against HF transformers, and every scheduling path against itself."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tinyvllm import LLM, RequestOutputKind, SamplingParams
+from tinyvllm.engine.engine import Engine
+from tinyvllm.parity import hf_greedy, hf_token_logprobs, load_hf_reference
+
+# Lengths chosen to cross 16-token block boundaries (and the mistral fixture's window of 8).
+PROMPT_LENGTHS = (5, 16, 17, 40, 71)
+MAX_TOKENS = 20
+
+
+def make_prompts(vocab: int, lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int = 0):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tiny_models) -> LLM:
+    return LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=256)
+
+
+def test_greedy_and_logprobs_match_hf(tiny_model_dir: Path) -> None:
+    """Batched prompts of different lengths: tokens identical, logprobs within 1e-3."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256)
+    hf = load_hf_reference(str(tiny_model_dir))
+    prompts = make_prompts(llm.engine.config.model.vocab_size)
+    outs = run(llm, prompts, greedy(logprobs=3))
+    for prompt, out in zip(prompts, outs, strict=True):
+        comp = out.outputs[0]
+        assert comp.token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+        ref = hf_token_logprobs(hf, prompt, comp.token_ids)
+        ours = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+        assert max(abs(a - b) for a, b in zip(ours, ref, strict=True)) < 1e-3
+        # Greedy picks the top token, and the top-3 come back ranked.
+        for t, lp in zip(comp.token_ids, comp.logprobs, strict=True):
+            assert lp[t].rank == 1
+            assert sorted(x.rank for x in lp.values()) == [1, 2, 3]
+
+
+def test_prompt_logprobs_match_hf(tiny_models) -> None:
+    import torch
+
+    path = str(tiny_models["qwen2"])
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    hf = load_hf_reference(path)
+    prompt = make_prompts(llm.engine.config.model.vocab_size, (37,))[0]
+    out = run(llm, [prompt], greedy(max_tokens=1, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[prompt[pos]].logprob - float(ref[pos - 1, prompt[pos]])) < 1e-3
+        top = int(ref[pos - 1].argmax())
+        assert top in entry and entry[top].rank == 1
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {"max_num_batched_tokens": 7},  # chunked prefill in small, unaligned chunks
+        {"max_num_seqs": 1},
+        {"num_gpu_blocks_override": 16, "max_model_len": 128},  # forces preemption
+        {"block_size": 8},
+    ],
+    ids=["chunked", "max_num_seqs=1", "preemption", "block_size=8"],
+)
+def test_scheduling_paths_keep_greedy_outputs(tiny_models, llama_llm, engine_kwargs) -> None:
+    prompts = make_prompts(llama_llm.engine.config.model.vocab_size)
+    params = greedy(max_tokens=40)
+    expected = token_ids(run(llama_llm, prompts, params))
+    kwargs = {"dtype": "float32", "max_model_len": 256, **engine_kwargs}
+    llm = LLM(str(tiny_models["llama"]), **kwargs)
+    assert token_ids(run(llm, prompts, params)) == expected
+    if "num_gpu_blocks_override" in engine_kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0
+    pool = llm.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_sliding_window_with_chunked_prefill(tiny_models) -> None:
+    path = str(tiny_models["mistral"])
+    hf = load_hf_reference(path)
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=5)
+    prompts = make_prompts(llm.engine.config.model.vocab_size, (23, 9))
+    for prompt, out in zip(prompts, run(llm, prompts, greedy()), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+def test_seeded_sampling_independent_of_batch(llama_llm) -> None:
+    vocab = llama_llm.engine.config.model.vocab_size
+    prompt = make_prompts(vocab, (12,))[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = token_ids(run(llama_llm, [prompt], params))[0]
+    others = make_prompts(vocab, (3, 30, 7), seed=5)
+    mixed = run(
+        llama_llm,
+        [*others[:2], prompt, others[2]],
+        [SamplingParams(temperature=0.8, max_tokens=9, ignore_eos=True)] * 2
+        + [params]
+        + [greedy()],
+    )
+    assert mixed[2].outputs[0].token_ids == alone
+    different = token_ids(
+        run(
+            llama_llm,
+            [prompt],
+            params.clone().__class__(
+                temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True
+            ),
+        )
+    )[0]
+    assert different != alone
+
+
+def test_seeded_sampling_survives_preemption(tiny_models, llama_llm) -> None:
+    vocab = llama_llm.engine.config.model.vocab_size
+    prompts = make_prompts(vocab)
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    expected = token_ids(run(llama_llm, prompts, params))
+    small = LLM(
+        str(tiny_models["llama"]), dtype="float32", max_model_len=128, num_gpu_blocks_override=16
+    )
+    assert token_ids(run(small, prompts, params)) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+
+
+def test_n_samples_and_stop_conditions(llama_llm) -> None:
+    vocab = llama_llm.engine.config.model.vocab_size
+    prompt = make_prompts(vocab, (10,))[0]
+    out = run(llama_llm, [prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+    ref = token_ids(run(llama_llm, [prompt], greedy()))[0]
+    stop_tok = ref[4]
+    first = ref.index(stop_tok)
+    stopped = run(llama_llm, [prompt], greedy(stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert stopped.token_ids == ref[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_tok
+    # min_tokens masks stop ids until reached, so the stop token cannot come early.
+    later = run(llama_llm, [prompt], greedy(stop_token_ids=[stop_tok], min_tokens=first + 2))
+    assert stop_tok not in later[0].outputs[0].token_ids[: first + 2]
+    capped = run(llama_llm, [prompt], greedy(max_tokens=3))[0].outputs[0]
+    assert capped.token_ids == ref[:3] and capped.finish_reason == "length"
+
+
+def test_stop_string_across_tokens_and_streaming(llama_llm) -> None:
+    tok = llama_llm.get_tokenizer()
+    prompt = "def main():\n    x = 1\n"
+    full = llama_llm.generate(prompt, greedy(max_tokens=24), use_tqdm=False)[0].outputs[0]
+    text = full.text
+    # A stop string that straddles a token boundary: the end of one token's text plus the
+    # start of the next.
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    k = next(i for i in range(2, len(pieces)) if len(pieces[i - 1]) and len(pieces[i]))
+    start = len("".join(pieces[: k - 1]))
+    stop = text[start + len(pieces[k - 1]) - 1 : start + len(pieces[k - 1]) + 1]
+    assert len(stop) == 2
+    out = llama_llm.generate(prompt, greedy(max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert comp.finish_reason == "stop" and comp.stop_reason == stop
+    assert comp.text == text[: text.index(stop)]
+
+    # DELTA streaming through Engine.step reassembles the same text.
+    engine: Engine = llama_llm.engine
+    params = greedy(max_tokens=24)
+    params.output_kind = RequestOutputKind.DELTA
+    engine.add_request("stream", prompt, params)
+    pieces_out, ids = [], []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            pieces_out.append(o.outputs[0].text)
+            ids.extend(o.outputs[0].token_ids)
+    assert "".join(pieces_out) == text and ids == full.token_ids
+
+
+def test_chat_uses_template(llama_llm) -> None:
+    tok = llama_llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hello"}]
+    out = llama_llm.chat(messages, greedy(max_tokens=4), use_tqdm=False)[0]
+    expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == expected
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ({"prompt_token_ids": [5] * 300}, "longer than max_model_len=256"),
+        ({"prompt_token_ids": []}, "prompt is empty"),
+        ("", "prompt is empty"),
+        ({"prompt_token_ids": [5, 99999]}, "out-of-vocabulary id"),
+        ({"tokens": [1]}, "'prompt' or 'prompt_token_ids'"),
+    ],
+)
+def test_bad_prompts_raise_clear_errors(llama_llm, prompt, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        llama_llm.generate(prompt, greedy(), use_tqdm=False)
+    assert not llama_llm.engine.has_unfinished_requests()
+
+
+def test_bad_request_does_not_affect_others(llama_llm) -> None:
+    engine: Engine = llama_llm.engine
+    prompts = make_prompts(engine.config.model.vocab_size, (9, 20))
+    expected = token_ids(run(llama_llm, prompts, greedy()))
+    params = greedy()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    engine.add_request("good0", {"prompt_token_ids": prompts[0]}, params)
+    with pytest.raises(ValueError, match="out-of-vocabulary"):
+        engine.add_request("bad", {"prompt_token_ids": [10**6]}, params)
+    engine.add_request("good1", {"prompt_token_ids": prompts[1]}, params)
+    # A request whose output processing raises ends with an error; the others finish.
+    engine.add_request("boom", {"prompt_token_ids": prompts[0]}, params)
+    child = engine.output_processor.children["boom"]
+
+    def explode(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("detokenizer exploded")
+
+    child.detokenizer.update = explode  # type: ignore[method-assign]
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+    assert results["boom"].error and "detokenizer exploded" in results["boom"].error
+    assert results["boom"].outputs[0].finish_reason == "error"
+    assert [results["good0"].outputs[0].token_ids, results["good1"].outputs[0].token_ids] == (
+        expected
+    )
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_abort_frees_blocks(llama_llm) -> None:
+    engine: Engine = llama_llm.engine
+    engine.add_request("a", {"prompt_token_ids": [11] * 40}, greedy(max_tokens=50))
+    engine.step()
+    assert engine.kv_cache_manager.pool.num_free_blocks < engine.kv_cache_manager.pool.num_blocks
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+    engine.step()  # the runner drops the row
+    assert len(engine.runner.states) == 0
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_unknown_engine_argument(tiny_models) -> None:
+    with pytest.raises(TypeError, match="unknown engine argument"):
+        LLM(str(tiny_models["llama"]), max_modle_len=10)
