@@ -187,10 +187,22 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _progress(name: str, wl: Workload, m: Measurement) -> None:
+    # Long runs (HF on the mix takes many minutes) should show where they are.
+    print(
+        f"  {name} ({wl.key}): {m.tok_s:,.1f} tok/s, {m.wall_s:.1f} s, load average "
+        f"{os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+
+
 def _check_lengths(name: str, wl: Workload, outputs: list[list[int]]) -> None:
     got = [len(o) for o in outputs]
+    if len(got) != len(wl.max_tokens):
+        raise RuntimeError(f"{name} {wl.key}: {len(got)} outputs for {len(wl.max_tokens)} prompts")
     if got != wl.max_tokens:
-        bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, wl.max_tokens)) if g != w][:3]
+        pairs = zip(got, wl.max_tokens, strict=True)
+        bad = [(i, g, w) for i, (g, w) in enumerate(pairs) if g != w][:3]
         raise RuntimeError(f"{name} {wl.key}: wrong output lengths (index, got, want) {bad}")
 
 
@@ -209,18 +221,16 @@ def run_vllm_api(
     llm = llm_cls(model=str(model_dir), **engine_kwargs)
     run.startup_s = time.perf_counter() - start
 
-    def generate(wl: Workload) -> tuple[float, list[Any]]:
+    def generate(llm: Any, wl: Workload) -> tuple[float, list[Any]]:
         prompts = [{"prompt_token_ids": p} for p in wl.prompts]
-        params = [
-            params_cls(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens
-        ]
+        params = [params_cls(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, outs
 
-    generate(warmup)
+    generate(llm, warmup)
     for wl in workloads:
-        wall, outs = generate(wl)
+        wall, outs = generate(llm, wl)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         _check_lengths(name, wl, tokens)
         ttfts = [o.metrics.ttft for o in outs if getattr(o, "metrics", None) is not None]
@@ -229,6 +239,7 @@ def run_vllm_api(
         run.results[wl.key] = Measurement(
             wall, wl.counted_tokens, wl.counted_tokens / wall, ttft_ms, tokens
         )
+        _progress(name, wl, run.results[wl.key])
     run.peak_rss_mib = peak_rss_mib()
     del llm
     gc.collect()
@@ -258,13 +269,18 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[l
 
 
 def run_hf(
-    model_dir: Path, workloads: list[Workload], warmup: Workload, mix_batch: int, skip_mix: bool
+    model_dir: Path,
+    workloads: list[Workload],
+    warmup: Workload,
+    mix_batch: int,
+    skip_mix: bool,
+    dtype: str,
 ) -> EngineRun:
     from transformers import AutoModelForCausalLM
 
     run = EngineRun("HF")
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
     # generate() fills an unset eos_token_id from here; with none, EOS neither stops a row nor
     # gets suppressed, which is exactly tinyvllm's ignore_eos (greedy paths stay comparable).
@@ -287,8 +303,10 @@ def run_hf(
             tokens.extend(r[:w] for r, w in zip(rows, wants, strict=True))
         wall = time.perf_counter() - start
         _check_lengths("HF", wl, tokens)
-        run.results[wl.key] = Measurement(wall, wl.counted_tokens, wl.counted_tokens / wall, None,
-                                          tokens)
+        run.results[wl.key] = Measurement(
+            wall, wl.counted_tokens, wl.counted_tokens / wall, None, tokens
+        )
+        _progress("HF", wl, run.results[wl.key])
         if wl.key == "d":
             generated = sum(
                 max(wl.max_tokens[lo : lo + batch]) * len(wl.max_tokens[lo : lo + batch])
@@ -311,8 +329,9 @@ def run_llama_cpp(gguf: Path, workloads: list[Workload], threads: int) -> Engine
 
     run = EngineRun("llama.cpp")
     start = time.perf_counter()
-    llm = Llama(model_path=str(gguf), n_ctx=MAX_MODEL_LEN, n_batch=512, n_threads=threads,
-                verbose=False)
+    llm = Llama(
+        model_path=str(gguf), n_ctx=MAX_MODEL_LEN, n_batch=512, n_threads=threads, verbose=False
+    )
     run.startup_s = time.perf_counter() - start
     run.notes.append("llama.cpp runs requests sequentially (no batched high-level API)")
     for wl in workloads:
@@ -329,8 +348,9 @@ def run_llama_cpp(gguf: Path, workloads: list[Workload], threads: int) -> Engine
                     llm.eval([tok])
             tokens.append(row)
         wall = time.perf_counter() - start
-        run.results[wl.key] = Measurement(wall, wl.counted_tokens, wl.counted_tokens / wall, None,
-                                          tokens)
+        run.results[wl.key] = Measurement(
+            wall, wl.counted_tokens, wl.counted_tokens / wall, None, tokens
+        )
     run.peak_rss_mib = peak_rss_mib()
     return run
 
@@ -350,16 +370,27 @@ def run_peers(
         try:
             import vllm
 
-            runs.append(run_vllm_api("vLLM", vllm.LLM, vllm.SamplingParams, model_dir, workloads,
-                                     engine_kwargs, warmup))
+            runs.append(
+                run_vllm_api(
+                    "vLLM",
+                    vllm.LLM,
+                    vllm.SamplingParams,
+                    model_dir,
+                    workloads,
+                    engine_kwargs,
+                    warmup,
+                )
+            )
         except Exception as exc:
             traceback.print_exc()
             print(f"peer vLLM: failed ({type(exc).__name__}: {exc})")
     if importlib.util.find_spec("llama_cpp") is None:
         print("peer llama.cpp: skipped (llama_cpp is not installed)")
     elif args.gguf is None:
-        print("peer llama.cpp: skipped (pass --gguf: the checkpoint converted with llama.cpp's "
-              "convert_hf_to_gguf.py --outtype bf16)")
+        print(
+            "peer llama.cpp: skipped (pass --gguf: the checkpoint converted with llama.cpp's "
+            "convert_hf_to_gguf.py --outtype bf16)"
+        )
     else:
         try:
             runs.append(run_llama_cpp(args.gguf, workloads, torch.get_num_threads()))
@@ -385,8 +416,9 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "cpu": cpu,
-        "cores_visible": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-        os.cpu_count(),
+        "cores_visible": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "cpu_count": os.cpu_count(),
         # bf16 matmuls are only fast with native bf16 instructions; say whether we have them.
         "bf16_isa": sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"}),
@@ -395,6 +427,8 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        # Other processes competing for the cores skew every number; record how busy it was.
+        "loadavg_start": round(os.getloadavg()[0], 2),
     }
 
 
@@ -424,8 +458,11 @@ def render(
         row += [fmt(p, wl.key) for p in peers]
         lines.append("| " + " | ".join(row) + " |")
 
-    lines += ["", "| engine | workload | wall s | tokens | mean TTFT ms | greedy vs HF |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| engine | workload | wall s | tokens | mean TTFT ms | greedy vs HF |",
+        "|---|---|---|---|---|---|",
+    ]
     for run in runs:
         for wl in workloads:
             m = run.results.get(wl.key)
@@ -435,8 +472,9 @@ def render(
             if run is not hf and hf is not None and wl.key in hf.results:
                 agree = greedy_agreement(m.outputs, hf.results[wl.key].outputs)
             ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
-            lines.append(f"| {run.name} | ({wl.key}) | {m.wall_s:.2f} | {m.tokens} | {ttft} | "
-                         f"{agree} |")
+            lines.append(
+                f"| {run.name} | ({wl.key}) | {m.wall_s:.2f} | {m.tokens} | {ttft} | {agree} |"
+            )
     lines.append("")
     for run in runs:
         startup = f"{run.startup_s:.2f} s" if run.startup_s is not None else "-"
@@ -455,6 +493,14 @@ def render(
         f"torch {info['torch']} ({info['torch_threads']} threads), transformers "
         f"{info['transformers']}, Python {info['python']}, {info['date']}"
     )
+    lines.append(
+        f"- 1-min load average {info['loadavg_start']} at start, {info.get('loadavg_end')} at end"
+        + (
+            " (above the core count: other processes competed for the CPU, numbers are noisy)"
+            if max(info["loadavg_start"], info.get("loadavg_end") or 0) > info["cores_visible"]
+            else ""
+        )
+    )
     return "\n".join(lines)
 
 
@@ -472,8 +518,12 @@ def to_json(
         "seed": args.seed,
         "tinyvllm_kwargs": engine_kwargs,
         "workloads": {
-            wl.key: {"label": wl.label, "unit": wl.unit, "counted_tokens": wl.counted_tokens,
-                     "num_requests": len(wl.prompts)}
+            wl.key: {
+                "label": wl.label,
+                "unit": wl.unit,
+                "counted_tokens": wl.counted_tokens,
+                "num_requests": len(wl.prompts),
+            }
             for wl in workloads
         },
         "engines": {
@@ -496,18 +546,41 @@ def to_json(
 # ---- main ---------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", type=Path, default=None,
-                   help=f"checkpoint cache (default {DEFAULT_MODEL_DIR}, '-quick' suffix with "
-                        "--quick); built on first use")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help=f"checkpoint cache (default {DEFAULT_MODEL_DIR}, '-quick' suffix with "
+        "--quick); built on first use",
+    )
     p.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
-    p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK_LAYERS} layers and small workloads, to check the script runs")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_LAYERS} layers and small workloads, to check the script runs",
+    )
     p.add_argument("--skip-hf", action="store_true", help="run tinyvllm (and peers) only")
     p.add_argument("--skip-hf-mix", action="store_true", help="skip HF on (d), its slowest part")
-    p.add_argument("--hf-mix-batch", type=int, default=16, help="HF batch size for (d)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default: leave torch's default)")
+    p.add_argument(
+        "--hf-mix-batch",
+        type=int,
+        default=None,
+        help="HF batch size for (d) (default 16, 4 with --quick)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default: leave torch's default)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for weights and token ids")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="compute dtype of both engines (the checkpoint stays bf16); float32 "
+        "is far faster on CPUs without native bf16 (no avx512_bf16/amx)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--gguf", type=Path, default=None, help="GGUF of the checkpoint for llama.cpp")
@@ -523,6 +596,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         suffix = "-quick" if args.quick else ""
         args.model_dir = DEFAULT_MODEL_DIR.with_name(DEFAULT_MODEL_DIR.name + suffix)
     args.model_dir = args.model_dir.expanduser()
+    if args.hf_mix_batch is None:
+        args.hf_mix_batch = 4 if args.quick else 16
     if args.hf_mix_batch < 1:
         p.error(f"--hf-mix-batch must be at least 1, got {args.hf_mix_batch}")
     return args
@@ -538,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workloads = make_workloads(args.workload_keys, args.quick, vocab, args.seed)
     warmup = warmup_workload(vocab, 128 if args.quick else 512)
     engine_kwargs: dict[str, Any] = {
-        "dtype": "bfloat16",
+        "dtype": args.dtype,
         "skip_tokenizer_init": True,
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": args.max_num_seqs,
@@ -546,28 +621,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": args.seed,
     }
     info = machine_info()
-    print(f"model {args.model_dir} ({num_layers} layers), torch threads {info['torch_threads']}",
-          flush=True)
+    print(
+        f"model {args.model_dir} ({num_layers} layers), torch threads {info['torch_threads']}",
+        flush=True,
+    )
 
     if importlib.util.find_spec("tinyvllm") is None:
         # Run from a source checkout without `pip install -e .`: use the repo this file is in.
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tinyvllm import LLM, SamplingParams
 
-    runs = [run_vllm_api("tinyvllm", LLM, SamplingParams, args.model_dir, workloads,
-                         engine_kwargs, warmup)]
-    print(f"tinyvllm done: { {k: round(m.tok_s, 1) for k, m in runs[0].results.items()} }",
-          flush=True)
+    runs = [
+        run_vllm_api(
+            "tinyvllm", LLM, SamplingParams, args.model_dir, workloads, engine_kwargs, warmup
+        )
+    ]
+    print(
+        f"tinyvllm done: { {k: round(m.tok_s, 1) for k, m in runs[0].results.items()} }", flush=True
+    )
     if args.skip_hf:
         runs.append(EngineRun("HF", skipped="--skip-hf"))
     else:
-        runs.append(run_hf(args.model_dir, workloads, warmup, args.hf_mix_batch,
-                           args.skip_hf_mix))
-        print(f"HF done: { {k: round(m.tok_s, 1) for k, m in runs[1].results.items()} }",
-              flush=True)
+        runs.append(
+            run_hf(
+                args.model_dir, workloads, warmup, args.hf_mix_batch, args.skip_hf_mix, args.dtype
+            )
+        )
+        print(
+            f"HF done: { {k: round(m.tok_s, 1) for k, m in runs[1].results.items()} }", flush=True
+        )
     if not args.no_peers:
         runs += run_peers(args, args.model_dir, workloads, engine_kwargs, warmup)
 
+    info["loadavg_end"] = round(os.getloadavg()[0], 2)
     print()
     print(render(workloads, runs, info, build_s))
     if args.out is not None:

@@ -269,3 +269,32 @@ def test_abort_frees_blocks(llama_llm) -> None:
 def test_unknown_engine_argument(tiny_models) -> None:
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM(str(tiny_models["llama"]), max_modle_len=10)
+
+
+def test_default_context_shrinks_to_fit_kv(tiny_models, caplog) -> None:
+    path = str(tiny_models["llama"])
+    per_token = 2 * 3 * 2 * 16 * 4  # K+V, 3 layers, 2 kv heads, head_dim 16, fp32
+    budget = 10 * 16 * per_token  # ten 16-token blocks
+    with caplog.at_level("WARNING"):
+        llm = LLM(path, dtype="float32", kv_cache_memory_bytes=budget)
+    assert llm.engine.config.model.max_model_len == 160
+    assert "max_model_len=160" in caplog.text
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        LLM(path, dtype="float32", kv_cache_memory_bytes=budget, max_model_len=512)
+
+
+def test_fp32_gemm_copies_serve_batched_rows() -> None:
+    import torch
+
+    from tinyvllm.models.layers.linear import ReplicatedLinear, attach_fp32_gemm_weights
+
+    layer = ReplicatedLinear(32, 24, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    assert attach_fp32_gemm_weights(layer, min_rows=4) == 24 * 32 * 4
+    x = torch.randn(4, 32).bfloat16()
+    batched = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert torch.equal(layer(x), batched.bfloat16())
+    one = x[:1]
+    assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))

@@ -133,7 +133,7 @@ def test_attention_layer_layout(tiny_models: Mapping[str, Path]) -> None:
             assert layer.scale == pytest.approx(16**-0.5)
             assert layer.sliding_window == window
     qwen2, _ = load_ours(tiny_models["qwen2"])
-    assert qwen2.lm_head is None  # tied to the embedding
+    assert qwen2.lm_head.weight is qwen2.model.embed_tokens.weight  # tied to the embedding
     assert qwen2.model.layers[0].self_attn.qkv_proj.bias is not None
     assert qwen2.model.layers[0].self_attn.o_proj.bias is None
 

@@ -16,6 +16,8 @@ class ModelConfig:
     vocab_size: int
     seed: int
     hf_config: Any = field(repr=False, default=None)
+    # False when max_model_len came from the model config (then it may shrink to fit the KV).
+    max_model_len_explicit: bool = True
 
 
 @dataclass

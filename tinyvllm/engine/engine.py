@@ -121,6 +121,8 @@ class Engine:
                 self._child_to_parent.pop(cid, None)
                 self.output_processor.children.pop(cid, None)
 
+    abort = abort_request
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 

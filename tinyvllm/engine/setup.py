@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tinyvllm.config import (
@@ -12,6 +13,8 @@ from tinyvllm.config import (
     ModelConfig,
     SchedulerConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def build_engine_config(args: EngineArgs) -> EngineConfig:
@@ -55,6 +58,8 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             f"{max_model_len}: without chunked prefill a full prompt must fit in one step; "
             "raise max_num_batched_tokens or enable_chunked_prefill"
         )
+    if args.enable_prefix_caching:
+        logger.warning("enable_prefix_caching is not implemented yet; running without it")
     return EngineConfig(
         model=ModelConfig(
             model=args.model,
@@ -65,6 +70,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             vocab_size=hf_config.vocab_size,
             seed=args.seed,
             hf_config=hf_config,
+            max_model_len_explicit=args.max_model_len is not None,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.attention.layer import Attention
@@ -200,9 +199,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_model_len = max_model_len
         self.model = LlamaModel(config, max_model_len, self.options)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head: ReplicatedLinear | None = None
-        if not self.tie_word_embeddings:
-            self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            # Shares the embedding table (named_parameters lists it once, as the embedding).
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -210,11 +210,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
-        else:
-            logits = self.lm_head(hidden)
-        return logits.float()
+        return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -40,9 +40,15 @@ def determine_num_blocks(
     max_model_len: int,
     max_num_seqs: int,
     profile_peak_bytes: Callable[[], int] | None = None,
-) -> int:
+    may_shrink_max_model_len: bool = False,
+) -> tuple[int, int]:
     """Number of KV blocks, from (in priority order) an exact override, an explicit byte budget,
-    a GPU profiling pass with `gpu_memory_utilization`, or a CPU default."""
+    a GPU profiling pass with `gpu_memory_utilization`, or a CPU default.
+
+    Returns (num_blocks, max_model_len). When the user left max_model_len to the model's
+    default and the cache cannot hold one sequence that long, max_model_len shrinks to what
+    fits (with a warning) instead of failing, like a long-context model on a laptop needs.
+    """
     per_block = kv_bytes_per_block(layers, cache.block_size, dtype)
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if cache.num_gpu_blocks_override is not None:
@@ -63,7 +69,18 @@ def determine_num_blocks(
         # No point holding more than every sequence at full length can use.
         num_blocks = min(budget // per_block, max_num_seqs * blocks_per_seq)
         source = "CPU default"
-    if num_blocks < blocks_per_seq:
+    if num_blocks < blocks_per_seq and may_shrink_max_model_len and num_blocks > 0:
+        fitted = num_blocks * cache.block_size
+        logger.warning(
+            "the KV cache (%s) holds %d tokens, less than the model's context of %d; "
+            "serving with max_model_len=%d (pass max_model_len or more KV memory to change it)",
+            source,
+            fitted,
+            max_model_len,
+            fitted,
+        )
+        max_model_len = fitted
+    elif num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV cache ({source}) holds {num_blocks} blocks of {cache.block_size} tokens = "
             f"{num_blocks * cache.block_size} tokens, fewer than one sequence of max_model_len="
@@ -76,7 +93,7 @@ def determine_num_blocks(
         num_blocks * per_block / 2**20,
         source,
     )
-    return num_blocks
+    return num_blocks, max_model_len
 
 
 def allocate_kv_caches(

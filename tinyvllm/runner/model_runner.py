@@ -6,11 +6,14 @@ request rows, builds the flattened batch, runs the model once and samples.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tinyvllm.attention.backend import AttentionMetadata, get_attention_backend
 from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.loader import load_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
@@ -18,6 +21,9 @@ from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
 from tinyvllm.sample.sampler import Sampler
+from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -28,10 +34,16 @@ class ModelRunner:
         mc = config.model
         self.block_size = config.cache.block_size
         self.model = load_model(mc.model_path, mc.hf_config, dtype, device, mc.max_model_len)
+        if device.type == "cpu" and dtype == torch.bfloat16 and not has_native_bf16_matmul():
+            extra = attach_fp32_gemm_weights(self.model, FP32_GEMM_MIN_ROWS)
+            logger.info(
+                "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs (+%.0f MiB)",
+                extra / 2**20,
+            )
         self.layers = self.model.attention_layers()
         self.backend = get_attention_backend(device, config.device.attention_backend)
 
-        self.num_blocks = determine_num_blocks(
+        self.num_blocks, max_model_len = determine_num_blocks(
             config.cache,
             self.layers,
             dtype,
@@ -39,7 +51,9 @@ class ModelRunner:
             mc.max_model_len,
             config.scheduler.max_num_seqs,
             profile_peak_bytes=self._profile_peak_bytes if device.type == "cuda" else None,
+            may_shrink_max_model_len=not mc.max_model_len_explicit,
         )
+        mc.max_model_len = config.scheduler.max_model_len = max_model_len
         config.cache.num_blocks = self.num_blocks
         self.kv_caches = allocate_kv_caches(
             self.layers, self.backend, self.num_blocks, self.block_size, dtype, device

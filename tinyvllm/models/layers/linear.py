@@ -59,6 +59,11 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
         self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
+        # Optional fp32 copy for inputs of at least `gemm_min_rows` rows (see
+        # `attach_fp32_gemm_weights`); decode-sized inputs keep using the low-precision weight.
+        self.gemm_weight: torch.Tensor | None = None
+        self.gemm_bias: torch.Tensor | None = None
+        self.gemm_min_rows = 0
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -66,6 +71,8 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemm_weight is not None and x.shape[0] >= self.gemm_min_rows:
+            return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -131,3 +138,24 @@ class MergedColumnLinear(_ShardedLinear):
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool) -> None:
         super().__init__(input_size, dict(enumerate(output_sizes)), bias)
         self.output_sizes = list(output_sizes)
+
+
+def attach_fp32_gemm_weights(model: nn.Module, min_rows: int) -> int:
+    """Give every linear layer an fp32 copy of its weight for inputs with >= `min_rows` rows.
+
+    On CPUs without native bf16 matmul (AVX2 only), torch's batched bf16 GEMM runs several
+    times slower than fp32, while a single-row bf16 GEMV is memory-bound and wins on bytes.
+    Keeping both copies gives prefill and batched decode fp32 speed and batch-1 decode bf16
+    bandwidth. Returns the extra bytes held.
+    """
+    extra = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, LinearBase) or id(module.weight) in seen:
+            continue
+        seen.add(id(module.weight))
+        module.gemm_weight = module.weight.detach().float()
+        module.gemm_bias = None if module.bias is None else module.bias.detach().float()
+        module.gemm_min_rows = min_rows
+        extra += module.gemm_weight.numel() * 4
+    return extra
