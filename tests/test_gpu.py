@@ -28,6 +28,6 @@ def test_cuda_memory_utilization_sizes_kv(tiny_models) -> None:
     from tinyvllm import LLM
 
     llm = LLM(str(tiny_models["qwen2"]), device="cuda", gpu_memory_utilization=0.3)
-    free, total = torch.cuda.mem_get_info()
+    _free, total = torch.cuda.mem_get_info()
     assert llm.engine.config.cache.num_blocks > 1000
     assert torch.cuda.memory_allocated() <= 0.3 * total + (1 << 28)
