@@ -8,7 +8,7 @@ when the request has no cached context, otherwise the paged context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,25 @@ class _PrefillSpan:
 class _DecodeGroup:
     token_idx: torch.Tensor  # [n] flattened token index of each decode query
     blocks: torch.Tensor  # [n, nb] block ids covering the group's longest context
-    key_pos: torch.Tensor  # [1, nb * block_size]
     query_pos: torch.Tensor  # [n, 1] position of each decode query
+    # True when the group is the whole batch in batch order (a decode-only step whose
+    # requests are already sorted by context length): no gather or scatter of queries needed.
+    is_whole_batch: bool = False
+    # Additive masks [n, 1, 1, nb * block_size] by sliding window, built once per step.
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:
+        mask = self.masks.get(sliding_window)
+        if mask is None:
+            key_pos = torch.arange(self.blocks.shape[1] * block_size, device=self.blocks.device)
+            diff = self.query_pos - key_pos
+            visible = diff >= 0
+            if sliding_window is not None:
+                visible &= diff < sliding_window
+            mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+            mask.masked_fill_(~visible, float("-inf"))
+            mask = self.masks[sliding_window] = mask[:, None, None, :]
+        return mask
 
 
 @dataclass
@@ -87,8 +104,8 @@ class TorchAttentionBackend(AttentionBackend):
         return _DecodeGroup(
             token_idx=metadata.query_start_loc[rows].long(),
             blocks=metadata.block_table[rows, :nb].long(),
-            key_pos=torch.arange(nb * metadata.block_size, device=device).unsqueeze(0),
             query_pos=(metadata.seq_lens[rows] - 1).long().unsqueeze(1),
+            is_whole_batch=members == list(range(metadata.num_actual_tokens)),
         )
 
     def forward(
@@ -109,15 +126,22 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.index_copy_(0, slots, key[:n])
         v_cache.index_copy_(0, slots, value[:n])
 
-        out = torch.empty_like(query)
+        # CPUs without bf16/fp16 dot-product units emulate those matmuls many times slower than
+        # fp32, and attention is a small share of the FLOPs: compute it in fp32 there.
+        compute_dtype = query.dtype
         if query.device.type == "cpu" and query.dtype != torch.float32:
-            # CPUs without bf16/fp16 dot-product units emulate those matmuls many times slower
-            # than fp32; attention is a small share of the FLOPs, so upcast its inputs.
-            query, key, value = query.float(), key.float(), value.float()
+            compute_dtype = torch.float32
+        if len(plan.decode_groups) == 1 and plan.decode_groups[0].is_whole_batch:
+            group = plan.decode_groups[0]
+            return self._decode(layer, query.to(compute_dtype), kv_cache, group).to(query.dtype)
+        out = torch.empty_like(query)
+        q = query.to(compute_dtype)
+        if plan.prefills:
+            key, value = key.to(compute_dtype), value.to(compute_dtype)
         for span in plan.prefills:
-            out[span.start : span.end] = self._prefill(layer, query, key, value, kv_cache, span)
+            out[span.start : span.end] = self._prefill(layer, q, key, value, kv_cache, span)
         for group in plan.decode_groups:
-            out[group.token_idx] = self._decode(layer, query, kv_cache, group).to(out.dtype)
+            out[group.token_idx] = self._decode(layer, q, kv_cache, group).to(out.dtype)
         return out
 
     def _prefill(
@@ -138,7 +162,7 @@ class TorchAttentionBackend(AttentionBackend):
             kv_len = span.context_len + q_len
             k = kv_cache[0][span.block_ids].flatten(0, 1)[:kv_len].transpose(0, 1).to(q.dtype)
             v = kv_cache[1][span.block_ids].flatten(0, 1)[:kv_len].transpose(0, 1).to(q.dtype)
-        if span.context_len == 0 and layer.sliding_window is None:
+        if span.context_len == 0 and layer.sliding_window is None and not layer.logits_soft_cap:
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True
             )
@@ -149,9 +173,15 @@ class TorchAttentionBackend(AttentionBackend):
             mask = diff >= 0
             if layer.sliding_window is not None:
                 mask &= diff < layer.sliding_window
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True
-            )
+            if layer.logits_soft_cap:
+                bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
+                bias.masked_fill_(~mask, float("-inf"))
+                o = self._soft_capped(layer, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias)
+                o = o.squeeze(0)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True
+                )
         return o.transpose(0, 1)
 
     def _decode(
@@ -160,23 +190,37 @@ class TorchAttentionBackend(AttentionBackend):
         num_seqs, num_blocks = group.blocks.shape
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         kv_len = num_blocks * block_size
-        group_size = layer.num_heads // num_kv_heads
-        # One copy per tensor: gather the blocks, then lay them out [n, Hkv, L, D] in the
-        # compute dtype, so both matmuls below run on contiguous operands.
-        shape = (num_seqs, num_kv_heads, kv_len, head_dim)
-        k = torch.empty(shape, dtype=query.dtype, device=query.device)
-        v = torch.empty(shape, dtype=query.dtype, device=query.device)
-        k.copy_(kv_cache[0][group.blocks].view(num_seqs, kv_len, num_kv_heads, -1).transpose(1, 2))
-        v.copy_(kv_cache[1][group.blocks].view(num_seqs, kv_len, num_kv_heads, -1).transpose(1, 2))
-        q = query[group.token_idx].view(num_seqs, num_kv_heads, group_size, head_dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scale  # [n, Hkv, G, L]
-        diff = group.query_pos - group.key_pos  # [n, L]
-        mask = diff >= 0
-        if layer.sliding_window is not None:
-            mask &= diff < layer.sliding_window
+        # One gather for K and V together, then one copy into [2, n, Hkv, L, D] in the compute
+        # dtype, so that SDPA runs on contiguous operands.
+        kv = torch.empty(
+            (2, num_seqs, num_kv_heads, kv_len, head_dim), dtype=query.dtype, device=query.device
+        )
+        gathered = kv_cache[:, group.blocks].view(2, num_seqs, kv_len, num_kv_heads, head_dim)
+        kv.copy_(gathered.transpose(2, 3))
+        q = query if group.is_whole_batch else query[group.token_idx]
+        mask = group.mask(layer.sliding_window, block_size)
         if layer.logits_soft_cap is not None:
-            scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)  # no-op unless v is low precision
-        o = torch.matmul(probs, v)  # [n, Hkv, G, D]
-        return o.view(num_seqs, layer.num_heads, head_dim)
+            return self._soft_capped(layer, q.unsqueeze(2), kv[0], kv[1], mask).squeeze(2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            kv[0],
+            kv[1],
+            attn_mask=mask.to(q.dtype),
+            scale=layer.scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _soft_capped(
+        layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention with tanh logit soft-capping (Gemma-style), which SDPA cannot express."""
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scale
+        cap = layer.logits_soft_cap
+        assert cap is not None
+        scores = torch.tanh(scores / cap) * cap + mask
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

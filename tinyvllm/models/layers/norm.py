@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.models.layers.linear import new_parameter
@@ -25,11 +26,10 @@ class RMSNorm(nn.Module):
         self.weight.data.fill_(1.0)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        orig_dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # HF casts back before the weight multiply; doing the same keeps bf16 parity.
-        return self.weight * xf.to(orig_dtype)
+        # One fused kernel for the fp32 statistics (vs five eager ops: a third of the norm's
+        # cost at decode); HF casts back before the weight multiply, and so do we.
+        normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

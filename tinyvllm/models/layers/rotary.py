@@ -215,6 +215,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
         self.register_buffer("cos_cache", cos.to(device), persistent=False)
         self.register_buffer("sin_cache", sin.to(device), persistent=False)
+        self._step_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -230,8 +231,14 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq * head_dim]; k [T, Hkv * head_dim] -> rotated (q, k)."""
-        cos = self.cos_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
+        # Every layer of one forward passes the same positions tensor: look cos/sin up once.
+        cached = self._step_cache
+        if cached is not None and cached[0] is positions and cached[1].dtype == q.dtype:
+            cos, sin = cached[1], cached[2]
+        else:
+            cos = self.cos_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
+            sin = self.sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1)
+            self._step_cache = (positions, cos, sin)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def extra_repr(self) -> str:
