@@ -298,3 +298,15 @@ def test_fp32_gemm_copies_serve_batched_rows() -> None:
     assert torch.equal(layer(x), batched.bfloat16())
     one = x[:1]
     assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
+
+
+def test_token_ids_only_engine_returns_logprobs(tiny_models) -> None:
+    llm = LLM(
+        str(tiny_models["llama"]), dtype="float32", max_model_len=128, skip_tokenizer_init=True
+    )
+    out = run(llm, [[11, 12, 13, 14]], greedy(max_tokens=4, logprobs=2))[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.text == ""
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp[tok].rank == 1 and lp[tok].decoded_token is None
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        llm.generate("text prompt", greedy(), use_tqdm=False)

@@ -200,7 +200,10 @@ class OutputProcessor:
                 d[tok] = Logprob(
                     logprob=lp,
                     rank=rank if j == 0 else j,
-                    decoded_token=decode_token(self.tokenizer, tok),
+                    # Without a tokenizer (skip_tokenizer_init) vLLM leaves this None too.
+                    decoded_token=(
+                        None if self.tokenizer is None else decode_token(self.tokenizer, tok)
+                    ),
                 )
             out.append(d)
         return out
