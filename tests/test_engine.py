@@ -120,16 +120,8 @@ def test_seeded_sampling_independent_of_batch(llama_llm) -> None:
         + [greedy()],
     )
     assert mixed[2].outputs[0].token_ids == alone
-    different = token_ids(
-        run(
-            llama_llm,
-            [prompt],
-            params.clone().__class__(
-                temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True
-            ),
-        )
-    )[0]
-    assert different != alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    assert token_ids(run(llama_llm, [prompt], other_seed))[0] != alone
 
 
 def test_seeded_sampling_survives_preemption(tiny_models, llama_llm) -> None:
@@ -310,3 +302,14 @@ def test_token_ids_only_engine_returns_logprobs(tiny_models) -> None:
         assert lp[tok].rank == 1 and lp[tok].decoded_token is None
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
         llm.generate("text prompt", greedy(), use_tqdm=False)
+
+
+def test_decode_groups_and_unsorted_batches(llama_llm, monkeypatch) -> None:
+    """Decode attention split into several length groups, with the batch not in length order."""
+    import tinyvllm.attention.torch_attn as torch_attn
+
+    vocab = llama_llm.engine.config.model.vocab_size
+    prompts = make_prompts(vocab, (70, 5, 33, 17, 50, 9))
+    expected = token_ids(run(llama_llm, prompts, greedy()))
+    monkeypatch.setattr(torch_attn, "_DECODE_GROUP_TOKENS", 64)
+    assert token_ids(run(llama_llm, prompts, greedy())) == expected

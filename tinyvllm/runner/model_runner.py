@@ -137,11 +137,11 @@ class ModelRunner:
         states = self.states
         result: dict[str, list[tuple[list[int], list[float], int]]] = {}
         qsl = batch.attn_metadata.query_start_loc_cpu
-        for i, req_id in enumerate(batch.req_ids):
-            row = int(batch.rows[i])
+        for i, row in enumerate(batch.rows.tolist()):
             n = states.num_prompt_logprobs[row]
             if n is None:
                 continue
+            req_id = batch.req_ids[i]
             start = int(states.num_computed_tokens[row])
             num_prompt = int(states.num_prompt_tokens[row])
             # Position p predicts token p + 1; only positions whose next token is in the prompt.

@@ -58,7 +58,13 @@ def build_sampling_metadata(
     generators: dict[int, torch.Generator] = {}
     min_tokens_mask: list[tuple[int, list[int]]] = []
     num_logprobs = [states.num_logprobs[r] for r in row_list]
-    for i, row in enumerate(row_list):
+    # Only seeded or min_tokens rows need per-row work; the common batch skips this loop.
+    special = [
+        (i, row)
+        for i, row in enumerate(row_list)
+        if states.seed[row] is not None or states.min_tokens_ids[row]
+    ]
+    for i, row in special:
         seed = states.seed[row]
         num_out = int(states.num_tokens[row] - states.num_prompt_tokens[row])
         if seed is not None and not bool(greedy[i]):
