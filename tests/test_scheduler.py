@@ -52,11 +52,13 @@ def check_invariants(scheduler: Scheduler) -> None:
     for req in scheduler.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    pool.check_invariants()
 
 
-def make_scheduler(num_blocks: int, **kw: object) -> Scheduler:
+def make_scheduler(num_blocks: int, enable_caching: bool = False, **kw: object) -> Scheduler:
+    """Prefix caching is off unless asked: these prompts share tokens on purpose."""
     cfg = SchedulerConfig(**{"max_num_batched_tokens": 64, "max_model_len": 256, **kw})
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size=4))
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size=4, enable_caching=enable_caching))
 
 
 def test_block_pool_lru_and_double_free() -> None:
@@ -164,11 +166,13 @@ def test_max_model_len_caps_generation() -> None:
     assert n == 2
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_operations_keep_invariants(seed: int) -> None:
+def test_random_operations_keep_invariants(seed: int, caching: bool) -> None:
     rng = random.Random(seed)
     s = make_scheduler(
         rng.randint(16, 40),
+        enable_caching=caching,
         max_num_batched_tokens=rng.choice([8, 16, 64]),
         max_num_seqs=rng.choice([1, 3, 8]),
         max_model_len=64,

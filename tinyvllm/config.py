@@ -26,7 +26,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     num_blocks: int = 0  # decided by the runner after sizing
 
 
@@ -61,6 +61,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     revision: str | None = None
     download_dir: str | None = None
+    # A .gguf file inside `model` (a directory or hub repo); `model` may also be the file.
+    gguf_file: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
     seed: int = 0
@@ -72,7 +74,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False

@@ -8,6 +8,7 @@ from typing import Any
 
 from tinyvllm.config import EngineArgs
 from tinyvllm.engine.engine import Engine, PromptType
+from tinyvllm.engine.stats import EngineStats
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -100,6 +101,14 @@ class LLM:
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_stats(self, include_blocks: bool = False) -> EngineStats:
+        """KV-cache, prefix-cache, scheduler, throughput and latency numbers right now."""
+        return self.engine.get_stats(include_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; later requests recompute them."""
+        return self.engine.reset_prefix_cache()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -1,45 +1,88 @@
-"""BlockPool: the fixed set of KV blocks, their reference counts and the free queue."""
+"""BlockPool: the fixed set of KV blocks, their reference counts, the free queue, and the
+prefix cache (block hash -> block holding that KV).
+
+A block is in exactly one of three states: in use (ref count > 0), cached-free (ref count 0
+but holding the KV of a known hash, so a later request with the same prefix can take it back),
+or plain free. Both kinds of free block sit in one queue ordered by when they were freed;
+allocation takes the front, which is the least recently used, and only then forgets a cached
+block's hash (eviction). A hit on a cached-free block takes it out of the queue again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+BlockHash = bytes
+
+# The hash of "no parent": the first block of every sequence chains from this.
+ROOT_HASH: BlockHash = b"\x00" * 32
+
+
+def hash_block(
+    parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()
+) -> BlockHash:
+    """SHA-256 over the parent hash, the block's token ids and extra keys.
+
+    The chain makes a hash stand for the whole prefix, not just one block; extra keys carry
+    whatever else changes the KV (multimodal item hashes, adapter ids). A cryptographic hash
+    means two different prefixes never share a block in practice, so a hit needs no token
+    comparison.
+    """
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
 
 
 class BlockPool:
-    """Owns block ids `0..num_blocks-1`.
+    """Owns block ids `0..num_blocks-1`."""
 
-    Free blocks sit in an insertion-ordered queue; allocation pops from the front and freeing
-    appends to the back, so the front is always the least recently freed block (the LRU order
-    prefix caching evicts in).
-    """
-
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_cached_free = 0
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (plain free plus cached-free, which it evicts)."""
         return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
 
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return 1.0 - len(self._free) / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each); the caller checks availability first."""
+        """Take `n` free blocks (ref count 1 each), evicting cached ones in LRU order.
+
+        The caller checks availability first.
+        """
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with only {len(self._free)} free")
         blocks = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
+            if self.block_hashes[block_id] is not None:
+                self._evict(block_id)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
 
-    def free(self, block_ids: list[int]) -> None:
+    def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; blocks reaching zero return to the free queue.
 
         Callers pass a request's blocks in reverse order so that a request's tail blocks are
@@ -52,3 +95,62 @@ class BlockPool:
             self.ref_counts[block_id] = count - 1
             if count == 1:
                 self._free[block_id] = None
+                if self.block_hashes[block_id] is not None:
+                    self.num_cached_free += 1
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference to cache hits; a hit that was free leaves the free queue."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+                self.num_cached_free -= 1
+            self.ref_counts[block_id] += 1
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
+        """Record that `block_id` (in use, KV fully written) holds the KV of `block_hash`.
+
+        When another block already holds the same content, the first one stays the cached
+        copy and this one remains private to its request.
+        """
+        if not self.enable_caching or self.block_hashes[block_id] is not None:
+            return
+        if block_hash in self.cached:
+            return
+        self.block_hashes[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (blocks in use keep their KV for their owners).
+
+        Returns the number of hashes dropped.
+        """
+        dropped = len(self.cached)
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.num_cached_free = 0
+        return dropped
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hashes[block_id]
+        self.block_hashes[block_id] = None
+        if block_hash is not None and self.cached.get(block_hash) == block_id:
+            del self.cached[block_hash]
+        self.num_cached_free -= 1
+        self.num_evictions += 1
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the bookkeeping is inconsistent (tests and debugging)."""
+        for block_id in range(self.num_blocks):
+            count = self.ref_counts[block_id]
+            assert count >= 0, f"block {block_id} has ref count {count}"
+            assert (count == 0) == (block_id in self._free), f"block {block_id} free-queue state"
+        for block_hash, block_id in self.cached.items():
+            assert self.block_hashes[block_id] == block_hash, f"block {block_id} hash mismatch"
+        hashed = [b for b in range(self.num_blocks) if self.block_hashes[b] is not None]
+        assert len(hashed) == len(self.cached), "hashed blocks missing from the cache map"
+        cached_free = sum(1 for b in hashed if self.ref_counts[b] == 0)
+        assert cached_free == self.num_cached_free, "cached-free count drifted"

@@ -121,13 +121,20 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            hits: list[int] = []
+            if request.num_computed_tokens == 0:
+                hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
+                request.num_cached_tokens = request.num_computed_tokens
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
+                    request.num_computed_tokens = 0
                     break
                 num_new = budget
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks=hits)
             if new_blocks is None:
+                # Look the cache up again next time: its content may have changed by then.
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -169,8 +176,11 @@ class Scheduler:
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
             request = self.requests.get(rid)
-            if request is None or not token_ids:
-                continue  # aborted meanwhile, or a partial prefill chunk
+            if request is None:
+                continue  # aborted meanwhile
+            if not token_ids:  # a partial prefill chunk: its finished blocks are now cacheable
+                self.kv.cache_computed_blocks(request)
+                continue
             accepted: list[int] = []
             for token in token_ids:
                 request.output_token_ids.append(token)
@@ -179,6 +189,7 @@ class Scheduler:
                     break
             # Tokens rejected from a speculative run are recomputed later.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.kv.cache_computed_blocks(request)
             finished = request.status.is_finished
             if finished:
                 self.running.remove(request)

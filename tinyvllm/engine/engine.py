@@ -14,6 +14,7 @@ from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.request import Request, RequestStatus
 from tinyvllm.engine.setup import build_engine_config, load_tokenizer
+from tinyvllm.engine.stats import EngineStats, StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -34,7 +35,9 @@ class Engine:
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype)
         self.runner = ModelRunner(config, dtype, device)
-        self.kv_cache_manager = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(tokenizer)
         self.parents: dict[str, ParentState] = {}
@@ -42,6 +45,8 @@ class Engine:
         self._counter = itertools.count()
         self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
         self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
+        self.stats = StatsCollector()
+        self._prefix_seen = (0, 0)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
@@ -123,6 +128,24 @@ class Engine:
 
     abort = abort_request
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (e.g. after swapping weights); True when done."""
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
+    def get_stats(self, include_blocks: bool = False) -> EngineStats:
+        """A consistent-enough snapshot for monitoring; safe to call from any thread."""
+        sched = self.scheduler
+        waiting = list(sched.waiting)
+        return self.stats.snapshot(
+            self.kv_cache_manager,
+            num_running=len(sched.running),
+            num_waiting=len(waiting),
+            num_preempted_waiting=sum(r.status == RequestStatus.PREEMPTED for r in waiting),
+            total_preemptions=sched.num_preemptions,
+            include_blocks=include_blocks,
+        )
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
@@ -138,6 +161,14 @@ class Engine:
             metrics = self.parents[self._child_to_parent[new.req_id]].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = new.num_computed_tokens
+        counters = self.kv_cache_manager.counters
+        if (counters.queries, counters.hits) != self._prefix_seen:
+            self.stats.record_prefix_lookup(
+                counters.queries - self._prefix_seen[0], counters.hits - self._prefix_seen[1]
+            )
+            self._prefix_seen = (counters.queries, counters.hits)
+        prompt_tokens = self._prompt_tokens_scheduled(sched.num_scheduled_tokens)
         touched: dict[str, ParentState] = {}
         try:
             runner_out = self.runner.execute_model(sched)
@@ -151,11 +182,14 @@ class Engine:
             self.output_processor.add_prompt_logprobs(rid, entries)
         logprobs_by_req = dict(zip(runner_out.req_ids, runner_out.logprobs or [], strict=False))
         now = time.monotonic()
+        num_generated = 0
         for update in self.scheduler.update_from_output(sched, runner_out):
             request = update.request
             rid = request.request_id
             parent = self.parents[self._child_to_parent[rid]]
             touched[parent.request_id] = parent
+            num_generated += len(update.new_token_ids)
+            self._record_token_times(parent, len(update.new_token_ids), now)
             finish_reason = request.status.finish_reason if update.finished else None
             try:
                 stop_string = self.output_processor.on_tokens(
@@ -175,7 +209,29 @@ class Engine:
             parent.metrics.num_preemptions = max(
                 parent.metrics.num_preemptions, request.num_preemptions
             )
+        self.stats.record_step(now, prompt_tokens, num_generated, sched.total_num_scheduled_tokens)
         return self._collect(touched)
+
+    def _prompt_tokens_scheduled(self, num_scheduled: dict[str, int]) -> int:
+        """Scheduled tokens that are prompt (prefill) rather than the one-token decode input."""
+        requests = self.scheduler.requests
+        total = 0
+        for rid, n in num_scheduled.items():
+            request = requests[rid]
+            start = request.num_computed_tokens - n
+            total += max(0, min(n, request.num_prompt_tokens - start))
+        return total
+
+    def _record_token_times(self, parent: ParentState, num_new: int, now: float) -> None:
+        if num_new == 0:
+            return
+        metrics = parent.metrics
+        if metrics.first_token_time is None:
+            self.stats.record_tokens(now - metrics.arrival_time, [])
+            num_new -= 1
+        if num_new and metrics.last_token_time is not None:
+            gap = (now - metrics.last_token_time) / num_new
+            self.stats.record_tokens(None, [gap] * num_new)
 
     def _fail(self, request_ids: list[str], message: str, touched: dict[str, ParentState]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
@@ -191,6 +247,7 @@ class Engine:
         for parent in touched.values():
             out = self.output_processor.make_output(parent)
             if parent.finished:
+                self.stats.record_finished(parent.metrics.e2e_latency)
                 self.parents.pop(parent.request_id, None)
                 for c in parent.children:
                     self._child_to_parent.pop(c.request_id, None)

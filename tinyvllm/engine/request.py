@@ -44,6 +44,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Draft tokens proposed for verification this step (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Prefix-cache hashes of the full blocks seen so far (memoised; tokens only ever grow).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache when the request was (last) admitted.
+    num_cached_tokens: int = 0
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
