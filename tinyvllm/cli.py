@@ -8,12 +8,13 @@ import time
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", required=True, help="local directory or hub id")
+    p.add_argument("--model", "-m", required=True, help="local directory, .gguf file or hub id")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--revision", default=None)
+    p.add_argument("--gguf-file", default=None, help="a .gguf file inside --model's directory")
     p.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -24,6 +25,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "device": args.device,
         "seed": args.seed,
         "revision": args.revision,
+        "gguf_file": args.gguf_file,
         "trust_remote_code": args.trust_remote_code,
     }
 

@@ -108,12 +108,19 @@ def hf_token_logprobs(hf_model: Any, prompt_ids: list[int], tokens: list[int]) -
 
 
 def load_hf_reference(model_path: str, dtype: str = "float32") -> Any:
+    """The HF model for a model directory, or for a .gguf file (transformers dequantizes it)."""
+    from pathlib import Path
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=getattr(torch, dtype), attn_implementation="eager"
-    )
+    from tinyvllm.gguf.reader import is_gguf_file
+
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": "eager"}
+    path = Path(model_path)
+    if is_gguf_file(path):
+        model_path, kwargs["gguf_file"] = str(path.parent), path.name
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     return model.eval()
 
 

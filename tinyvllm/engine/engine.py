@@ -209,7 +209,10 @@ class Engine:
             parent.metrics.num_preemptions = max(
                 parent.metrics.num_preemptions, request.num_preemptions
             )
-        self.stats.record_step(now, prompt_tokens, num_generated, sched.total_num_scheduled_tokens)
+        if not sched.is_empty:  # an empty step only lets the runner drop finished rows
+            self.stats.record_step(
+                now, prompt_tokens, num_generated, sched.total_num_scheduled_tokens
+            )
         return self._collect(touched)
 
     def _prompt_tokens_scheduled(self, num_scheduled: dict[str, int]) -> int:

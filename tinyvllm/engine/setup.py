@@ -20,17 +20,25 @@ logger = logging.getLogger(__name__)
 def build_engine_config(args: EngineArgs) -> EngineConfig:
     from transformers import AutoConfig
 
+    from tinyvllm.gguf.paths import resolve_gguf_path
     from tinyvllm.models.loader import resolve_model_path
     from tinyvllm.models.registry import get_model_class
     from tinyvllm.utils.device import choose_dtype, resolve_device
 
-    model_path = resolve_model_path(args.model, args.revision, args.download_dir)
-    try:
-        hf_config = AutoConfig.from_pretrained(
-            str(model_path), trust_remote_code=args.trust_remote_code
-        )
-    except ValueError as exc:
-        raise ValueError(f"cannot read the model config in {model_path}: {exc}") from exc
+    # A GGUF checkpoint is one file: config, tokenizer and weights all come from it.
+    gguf_path = resolve_gguf_path(args.model, args.gguf_file, args.revision, args.download_dir)
+    if gguf_path is not None:
+        from tinyvllm.gguf.config import load_gguf_config
+
+        model_path, hf_config = gguf_path, load_gguf_config(gguf_path)
+    else:
+        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+        try:
+            hf_config = AutoConfig.from_pretrained(
+                str(model_path), trust_remote_code=args.trust_remote_code
+            )
+        except ValueError as exc:
+            raise ValueError(f"cannot read the model config in {model_path}: {exc}") from exc
     get_model_class(hf_config)  # unsupported architectures fail before any weights load
     device = resolve_device(args.device)
     dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
@@ -58,8 +66,6 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             f"{max_model_len}: without chunked prefill a full prompt must fit in one step; "
             "raise max_num_batched_tokens or enable_chunked_prefill"
         )
-    if args.enable_prefix_caching:
-        logger.warning("enable_prefix_caching is not implemented yet; running without it")
     return EngineConfig(
         model=ModelConfig(
             model=args.model,
@@ -92,6 +98,12 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    from tinyvllm.gguf.reader import is_gguf_file
+
+    if is_gguf_file(name):
+        from tinyvllm.gguf.config import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(name)
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as exc:

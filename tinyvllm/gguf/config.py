@@ -1,0 +1,197 @@
+"""GGUF metadata -> a transformers `PretrainedConfig` for our model classes, and the
+tokenizer (which transformers rebuilds from the vocabulary stored in the file)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from tinyvllm.gguf.reader import GGUFFile, read_gguf
+
+# GGUF `general.architecture` -> (transformers model_type, our architecture name). Mistral
+# checkpoints are converted as "llama" and load as Llama (as llama.cpp runs them).
+GGUF_ARCHITECTURES: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {
+        "llama": ("llama", "LlamaForCausalLM"),
+        "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+        "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    }
+)
+
+# general.file_type -> the dtype "auto" picks (fp16 becomes bf16 on CPU later); any
+# quantized file runs in bf16, whose range is safe for dequantized weights.
+_FILE_TYPE_DTYPES: Mapping[int, str] = MappingProxyType(
+    {0: "float32", 1: "float16", 32: "bfloat16"}
+)
+
+def _required(gf: GGUFFile, key: str) -> Any:
+    value = gf.arch_value(key)
+    if value is None:
+        raise ValueError(f"GGUF file {gf.path.name!r} lacks the metadata {gf.architecture}.{key}")
+    return value
+
+
+def _per_layer_constant(value: Any, key: str) -> int:
+    # Some converters store head counts per layer; we need them all equal.
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"per-layer {key} values {sorted(set(value))} are not supported")
+        value = value[0]
+    return int(value)
+
+
+def check_architecture(gf: GGUFFile) -> tuple[str, str]:
+    """(model_type, architecture) for the file; ValueError naming unsupported ones."""
+    arch = gf.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    return GGUF_ARCHITECTURES[arch]
+
+
+def _rope_scaling(gf: GGUFFile, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """HF `rope_scaling` from the rope.scaling.* keys (or Llama 3's rope_freqs tensor)."""
+    kind = gf.arch_value("rope.scaling.type")
+    factor = gf.arch_value("rope.scaling.factor") or gf.arch_value("rope.scale_linear")
+    if kind is None and factor and factor != 1.0:
+        kind = "linear"  # the pre-`scaling.type` key
+    if kind in (None, "none"):
+        if "rope_freqs.weight" in gf.tensors:
+            return _llama3_from_rope_freqs(gf, theta, head_dim)
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        original = gf.arch_value("rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = gf.arch_value(f"rope.scaling.{key}")
+            if value:
+                scaling[hf_key] = float(value)
+        return scaling
+    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (linear and yarn are)")
+
+
+def _llama3_from_rope_freqs(gf: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
+    """Recover Llama 3 scaling parameters from the per-frequency divisors llama.cpp stores.
+
+    The divisors are 1 for short wavelengths, `factor` for long ones and blended between;
+    with Llama 3's low/high frequency factors (1, 4) a blended entry pins down the original
+    context length. The fit is checked against every divisor before it is accepted.
+    """
+    info = gf.tensors["rope_freqs.weight"]
+    if info.qtype != 0 or info.shape != (head_dim // 2,):
+        raise ValueError(
+            f"rope_freqs tensor of type {info.qtype_name} and shape {info.shape} is not "
+            f"supported (expected F32 of shape ({head_dim // 2},))"
+        )
+    divisors = np.frombuffer(gf.raw("rope_freqs.weight").numpy().tobytes(), dtype="<f4")
+    divisors = divisors.astype(np.float64)
+    factor = float(divisors.max())
+    low, high = 1.0, 4.0
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    candidates = {2**k for k in range(6, 21)}
+    if factor > 1.0:
+        blended = (divisors > 1.0) & (divisors < factor)
+        smooth = (1.0 / divisors[blended] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        candidates |= {round(float(c)) for c in wavelen[blended] * (smooth * (high - low) + low)}
+    for original in sorted(candidates):
+        smooth = (original / wavelen - low) / (high - low)
+        with np.errstate(divide="ignore"):
+            blend = 1.0 / ((1 - smooth) / factor + smooth)
+        expected = np.where(
+            wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blend)
+        )
+        if np.allclose(divisors, expected, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    raise ValueError(
+        "the GGUF file's rope_freqs tensor does not match Llama 3 rope scaling; "
+        "custom per-frequency rope factors are not supported"
+    )
+
+
+def gguf_to_hf_config(gf: GGUFFile) -> Any:
+    """A transformers config (with `architectures` set) describing the GGUF model."""
+    from transformers import CONFIG_MAPPING
+
+    model_type, architecture = check_architecture(gf)
+    hidden = int(_required(gf, "embedding_length"))
+    heads = _per_layer_constant(_required(gf, "attention.head_count"), "head_count")
+    kv_heads = _per_layer_constant(gf.arch_value("attention.head_count_kv", heads), "head_count_kv")
+    head_dim = int(gf.arch_value("attention.key_length") or hidden // heads)
+    rope_dim = int(gf.arch_value("rope.dimension_count") or head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"partial rotary embeddings (rope dimension {rope_dim} of head_dim {head_dim}) "
+            "are not supported for GGUF checkpoints"
+        )
+    theta = float(gf.arch_value("rope.freq_base") or 10000.0)
+    embed = gf.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ValueError(f"GGUF file {gf.path.name!r} has no token_embd.weight tensor")
+    vocab_size = gf.arch_value("vocab_size") or embed.shape[0]
+    kwargs: dict[str, Any] = {
+        "architectures": [architecture],
+        "vocab_size": int(vocab_size),
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(gf, "feed_forward_length")),
+        "num_hidden_layers": int(_required(gf, "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(gf.arch_value("context_length") or 2048),
+        "rms_norm_eps": float(gf.arch_value("attention.layer_norm_rms_epsilon") or 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(gf, theta, head_dim),
+        # llama.cpp writes no output tensor when the head shares the embedding.
+        "tie_word_embeddings": "output.weight" not in gf.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
+        "hidden_act": "silu",
+        "dtype": _FILE_TYPE_DTYPES.get(int(gf.metadata.get("general.file_type", -1)), "bfloat16"),
+    }
+    for key in ("bos", "eos", "pad"):
+        token_id = gf.metadata.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            kwargs[f"{key}_token_id"] = int(token_id)
+    if model_type == "llama":
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in gf.tensors
+    if kwargs["rope_scaling"] is None:
+        del kwargs["rope_scaling"]
+    return CONFIG_MAPPING[model_type](**kwargs)
+
+
+def load_gguf_config(path: str | Path) -> Any:
+    return gguf_to_hf_config(read_gguf(path))
+
+
+def load_gguf_tokenizer(path: str | Path) -> Any:
+    """The tokenizer transformers rebuilds from the GGUF vocabulary, merges, special
+    token ids and chat template."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).expanduser().resolve()
+    check_architecture(read_gguf(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot build a tokenizer from GGUF file {str(path)!r}: {exc}; pass "
+            "tokenizer=<HF model directory or hub id> to use another one"
+        ) from exc
+    return tokenizer

@@ -1,0 +1,228 @@
+"""Reading a .gguf file: header, metadata and tensor directory, tensor bytes memory-mapped.
+
+The format is plain data (a header, typed key/value pairs, a tensor directory, then
+aligned tensor bytes), so nothing in the file is ever executed. We parse it ourselves
+rather than with `gguf.GGUFReader`, which builds a numpy view per string and takes
+seconds on a real tokenizer's vocabulary; the `gguf` package remains the reference the
+tests compare this parser with.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyvllm.gguf.dequant import block_layout, qtype_name
+
+GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+# Metadata value type id -> struct format of one scalar (8 = string, 9 = array).
+_SCALARS: dict[int, str] = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_NUMPY: dict[int, str] = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor directory. `shape` is in torch order (outermost first),
+    the reverse of ggml's `ne`; `offset` is absolute within the file."""
+
+    name: str
+    qtype: int
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def qtype_name(self) -> str:
+        return qtype_name(self.qtype)
+
+
+@dataclass
+class GGUFFile:
+    """A parsed .gguf file. Tensor bytes stay on disk until `raw` maps them."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    _map: mmap.mmap | None = field(default=None, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError(f"{self.path} has no general.architecture metadata")
+        return arch
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """`{architecture}.{key}` from the metadata."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as a uint8 tensor mapped from the file: [rows, bytes_per_row]
+        for 2-D and larger tensors, [bytes] for 1-D ones. No copy is made."""
+        info = self.tensors[name]
+        if self._map is None:
+            # Copy-on-write: torch gets writable views without a copy (a read-only map
+            # makes it warn), pages stay shared with the page cache, the file never changes.
+            with open(self.path, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        array = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        tensor = torch.from_numpy(array)
+        if len(info.shape) < 2:
+            return tensor
+        rows = 1
+        for dim in info.shape[:-1]:
+            rows *= dim
+        return tensor.view(rows, -1)
+
+
+class _Cursor:
+    """Sequential little-endian reads over the file's bytes."""
+
+    def __init__(self, buffer: mmap.mmap, path: Path) -> None:
+        self.buffer = buffer
+        self.pos = 0
+        self.path = path
+
+    def scalar(self, fmt: str) -> Any:
+        try:
+            (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
+        except struct.error:
+            raise ValueError(f"{self.path} is truncated or corrupt (read past its end)") from None
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("<Q")
+        end = self.pos + length
+        if end > len(self.buffer):
+            raise ValueError(f"{self.path} is truncated or corrupt (string past its end)")
+        raw = self.buffer[self.pos : end]
+        self.pos = end
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item_type, count = self.scalar("<I"), self.scalar("<Q")
+            if item_type in _NUMPY:
+                # Numeric arrays (token types, scores) are read in one go.
+                dtype = np.dtype(_NUMPY[item_type])
+                values = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.pos)
+                self.pos += dtype.itemsize * count
+                return values.tolist()
+            return [self.value(item_type) for _ in range(count)]
+        raise ValueError(f"{self.path} has an unknown metadata value type {vtype} (corrupt?)")
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True when `path` is a regular file that starts with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(4) == GGUF_MAGIC
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse the header, metadata and tensor directory of a .gguf file.
+
+    Raises FileNotFoundError for a missing file and ValueError for a file that is not
+    GGUF (bad magic), a GGUF version we cannot read, or a truncated/corrupt file.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {str(path)!r}")
+    with open(path, "rb") as handle:
+        if handle.read(4) != GGUF_MAGIC:
+            raise ValueError(
+                f"{str(path)!r} is not a GGUF file (it does not start with the 'GGUF' magic)"
+            )
+        buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse(buffer, path)
+    finally:
+        buffer.close()
+
+
+def _parse(buffer: mmap.mmap, path: Path) -> GGUFFile:
+    cur = _Cursor(buffer, path)
+    cur.pos = 4
+    version = cur.scalar("<I")
+    if version not in (2, 3):
+        hint = " (a big-endian file?)" if version > 0xFFFF else ""
+        raise ValueError(f"{str(path)!r} has GGUF version {version}{hint}; versions 2 and 3 load")
+    tensor_count, kv_count = cur.scalar("<Q"), cur.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("<I"))
+    directory: list[tuple[str, tuple[int, ...], int, int]] = []
+    for _ in range(tensor_count):
+        name = cur.string()
+        ndims = cur.scalar("<I")
+        ne = [cur.scalar("<Q") for _ in range(ndims)]
+        directory.append((name, tuple(reversed(ne)), cur.scalar("<I"), cur.scalar("<Q")))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, TensorInfo] = {}
+    for name, shape, qtype, rel_offset in directory:
+        info = TensorInfo(name, qtype, shape, data_start + rel_offset, _nbytes(shape, qtype, name))
+        tensors[name] = info
+        end = info.offset + info.nbytes
+        if info.nbytes >= 0 and end > len(buffer):
+            raise ValueError(
+                f"{str(path)!r} is truncated: tensor {name!r} ends at byte {end}, "
+                f"the file has {len(buffer)}"
+            )
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
+
+
+def _nbytes(shape: tuple[int, ...], qtype: int, name: str) -> int:
+    """Bytes of a tensor; -1 for types we cannot size (they fail when loaded, by name)."""
+    try:
+        elems, block_bytes = block_layout(qtype)
+    except ValueError:
+        return -1
+    count = 1
+    for dim in shape:
+        count *= dim
+    if shape and shape[-1] % elems:
+        raise ValueError(f"tensor {name!r} rows are not whole {qtype_name(qtype)} blocks")
+    return count // elems * block_bytes
