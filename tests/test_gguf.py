@@ -133,8 +133,16 @@ def test_f32_gguf_loads_the_checkpoint_weights_exactly(
     config = load_gguf_config(f32_ggufs[family])
     reference_config = AutoConfig.from_pretrained(tiny_models[family])
     assert config.architectures == reference_config.architectures
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads",
-                "head_dim", "tie_word_embeddings", "rms_norm_eps", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    ):
         assert getattr(config, key) == pytest.approx(getattr(reference_config, key)), key
     ours_rope = compute_inv_freq(RopeConfig.from_hf_config(config))
     ref_rope = compute_inv_freq(RopeConfig.from_hf_config(reference_config))
@@ -184,7 +192,9 @@ def test_reader_matches_the_gguf_package(f32_ggufs: dict[str, Path]) -> None:
         info = ours.tensors[tensor.name]
         assert info.shape == tuple(int(d) for d in reversed(tensor.shape))
         assert (info.qtype, info.offset, info.nbytes) == (
-            int(tensor.tensor_type), tensor.data_offset, tensor.n_bytes
+            int(tensor.tensor_type),
+            tensor.data_offset,
+            tensor.n_bytes,
         )
         assert ours.raw(tensor.name).numpy().tobytes() == np.asarray(tensor.data).tobytes()
 
@@ -216,7 +226,9 @@ def test_quantized_llama_gguf_matches_transformers_gguf_loader(
     from tinyvllm.parity import load_hf_reference, run_parity
 
     model_dir = build_tiny_checkpoint(
-        "llama", tmp_path / "llama", tokenizer_dir,
+        "llama",
+        tmp_path / "llama",
+        tokenizer_dir,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
@@ -228,7 +240,9 @@ def test_quantized_llama_gguf_matches_transformers_gguf_loader(
         )
 
     path = write_tiny_gguf(model_dir, tmp_path / "tiny.gguf", qtype_for=mixed)
-    llm = LLM(str(tmp_path), gguf_file="tiny.gguf", dtype="float32", max_model_len=128)
+    llm = LLM(
+        str(tmp_path), gguf_file="tiny.gguf", dtype="float32", max_model_len=128, quantization=None
+    )
     assert llm.engine.config.model.model_path == str(path.resolve())
     report = run_parity(
         llm, load_hf_reference(str(path)), [[5, 6, 7, 8, 9, 10, 11], [300, 20, 1000]], 16

@@ -64,7 +64,9 @@ def test_reader_matches_the_gguf_package(path: Path) -> None:
         info = ours.tensors[tensor.name]
         assert info.shape == tuple(int(d) for d in reversed(tensor.shape)), tensor.name
         assert (info.qtype, info.offset, info.nbytes) == (
-            int(tensor.tensor_type), tensor.data_offset, tensor.n_bytes
+            int(tensor.tensor_type),
+            tensor.data_offset,
+            tensor.n_bytes,
         )
 
 
@@ -72,7 +74,9 @@ def test_config_from_metadata(path: Path) -> None:
     config = load_gguf_config(path)
     assert config.architectures == ["LlamaForCausalLM"]
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
-        30, 576, 1536
+        30,
+        576,
+        1536,
     )
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
     assert config.vocab_size == 49152 and config.tie_word_embeddings
@@ -120,15 +124,11 @@ def _hf_reference(path: Path) -> Any:
     return load_hf_reference(str(path))
 
 
-@pytest.mark.slow
-def test_greedy_parity_with_transformers_gguf_loader(path: Path) -> None:
-    """fp32 both sides: identical greedy tokens (first 32) and close logprobs on chat prompts."""
-    from tinyvllm.parity import run_parity
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
 
-    llm = LLM(str(path), dtype="float32", max_model_len=512)
-    tokenizer = llm.get_tokenizer()
-    questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
-    prompts = [
+
+def _chat_ids(tokenizer: Any, questions: list[str]) -> list[list[int]]:
+    return [
         tokenizer.encode(
             tokenizer.apply_chat_template(
                 [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
@@ -137,6 +137,45 @@ def test_greedy_parity_with_transformers_gguf_loader(path: Path) -> None:
         )
         for q in questions
     ]
-    report = run_parity(llm, _hf_reference(path), prompts, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def hf(path: Path) -> Any:
+    return _hf_reference(path)
+
+
+def test_greedy_parity_with_transformers_gguf_loader(path: Path, hf: Any) -> None:
+    """Dequantized, fp32 both sides: identical greedy tokens (first 32), close logprobs."""
+    from tinyvllm.parity import run_parity
+
+    llm = LLM(str(path), dtype="float32", max_model_len=512, quantization=None)
+    prompts = _chat_ids(llm.get_tokenizer(), QUESTIONS)
+    report = run_parity(llm, hf, prompts, max_tokens=32)
     assert report.identical, report.summary()
     assert report.max_logprob_diff < 1e-3, report.summary()
+
+
+def test_quantized_execution_stays_close_to_transformers(llm: LLM, hf: Any) -> None:
+    """The default (blocks kept quantized, bf16 activations) teacher-forced along HF's fp32
+    greedy continuation: how often our top-1 matches HF's, and how far logprobs move."""
+    from tinyvllm.parity import hf_greedy, hf_token_logprobs
+
+    assert llm.engine.config.model.quantization == "gguf"
+    top1_same = total = 0
+    diffs: list[float] = []
+    for prompt in _chat_ids(llm.get_tokenizer(), QUESTIONS):
+        reference = hf_greedy(hf, prompt, 32)
+        ref_logprobs = hf_token_logprobs(hf, prompt, reference)
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        out = llm.generate([{"prompt_token_ids": prompt + reference}], params, use_tqdm=False)
+        ours = out[0].prompt_logprobs[len(prompt) :]
+        for token, entry, ref in zip(reference, ours, ref_logprobs, strict=True):
+            top = min(entry.values(), key=lambda lp: lp.rank)
+            top1_same += top.rank == 1 and entry[token].rank == 1
+            total += 1
+            diffs.append(abs(entry[token].logprob - ref))
+    agreement = top1_same / total
+    mean_diff = sum(diffs) / len(diffs)
+    print(f"quantized vs HF fp32: top-1 agreement {agreement:.3f}, mean |dlogprob| {mean_diff:.3f}")
+    assert agreement >= 0.9, agreement
+    assert mean_diff < 0.15, mean_diff

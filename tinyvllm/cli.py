@@ -16,6 +16,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None)
     p.add_argument("--gguf-file", default=None, help="a .gguf file inside --model's directory")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="auto (keep a GGUF file's quantized blocks) | none (dequantize) | int8 | int4 | gguf;"
+        " default: auto, except check: none",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -27,6 +33,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "revision": args.revision,
         "gguf_file": args.gguf_file,
         "trust_remote_code": args.trust_remote_code,
+        "quantization": args.quantization or "auto",
     }
 
 
@@ -63,6 +70,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     kwargs = _engine_kwargs(args)
     kwargs["dtype"] = "float32"
+    # Parity is about the implementation: run the same (dequantized) weights HF runs.
+    kwargs["quantization"] = args.quantization or "none"
     llm = LLM(args.model, **kwargs)
     hf = load_hf_reference(llm.engine.config.model.model_path)
     report = run_parity(llm, hf, args.prompt or DEFAULT_PROMPTS, max_tokens=args.max_tokens)

@@ -18,6 +18,8 @@ class ModelConfig:
     hf_config: Any = field(repr=False, default=None)
     # False when max_model_len came from the model config (then it may shrink to fit the KV).
     max_model_len_explicit: bool = True
+    # Resolved weight-only quantization: None, "int8", "int4" or "gguf" (raw GGUF blocks).
+    quantization: str | None = None
 
 
 @dataclass
@@ -65,6 +67,10 @@ class EngineArgs:
     gguf_file: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
+    # Weight-only quantization: "auto" keeps a GGUF file's quantized blocks ("gguf") and
+    # loads other checkpoints as they are; None (or "none") dequantizes everything to
+    # `dtype`; "int8" / "int4" quantize float weights at load.
+    quantization: str | None = "auto"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -107,6 +113,11 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.quantization not in (None, "auto", "none", "int8", "int4", "gguf"):
+            raise ValueError(
+                f"quantization must be one of 'auto', None, 'int8', 'int4', 'gguf'; got "
+                f"{self.quantization!r}"
             )
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(

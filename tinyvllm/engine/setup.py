@@ -40,6 +40,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         except ValueError as exc:
             raise ValueError(f"cannot read the model config in {model_path}: {exc}") from exc
     get_model_class(hf_config)  # unsupported architectures fail before any weights load
+    quantization = _resolve_quantization(args.quantization, gguf_path)
     device = resolve_device(args.device)
     dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
 
@@ -77,6 +78,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             seed=args.seed,
             hf_config=hf_config,
             max_model_len_explicit=args.max_model_len is not None,
+            quantization=quantization,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -93,6 +95,23 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         device=DeviceConfig(device=str(device), attention_backend=args.attention_backend),
     )
+
+
+def _resolve_quantization(requested: str | None, gguf_path: Any) -> str | None:
+    if requested in (None, "none"):
+        return None
+    if requested == "auto":
+        if gguf_path is None:
+            return None
+        from tinyvllm.gguf.reader import read_gguf
+
+        return "gguf" if read_gguf(gguf_path).has_quantized_tensors() else None
+    if requested == "gguf" and gguf_path is None:
+        raise ValueError(
+            "quantization='gguf' needs a GGUF checkpoint; for a safetensors model use "
+            "quantization='int8' or 'int4'"
+        )
+    return requested
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:

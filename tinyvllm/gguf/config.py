@@ -29,6 +29,7 @@ _FILE_TYPE_DTYPES: Mapping[int, str] = MappingProxyType(
     {0: "float32", 1: "float16", 32: "bfloat16"}
 )
 
+
 def _required(gf: GGUFFile, key: str) -> Any:
     value = gf.arch_value(key)
     if value is None:

@@ -51,6 +51,8 @@ _NUMPY: dict[int, str] = {
     12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+# ggml type ids of the unquantized formats: F32, F16, BF16.
+_FLOAT_QTYPES = frozenset({0, 1, 30})
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,12 @@ class GGUFFile:
     def arch_value(self, key: str, default: Any = None) -> Any:
         """`{architecture}.{key}` from the metadata."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def has_quantized_tensors(self) -> bool:
+        """Whether any matrix is stored in a block-quantized format (not F32/F16/BF16)."""
+        return any(
+            len(t.shape) >= 2 and t.qtype not in _FLOAT_QTYPES for t in self.tensors.values()
+        )
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor mapped from the file: [rows, bytes_per_row]

@@ -20,11 +20,13 @@ from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear, Replica
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
 from tinyvllm.models.weights import load_named_weights
+from tinyvllm.quant import QuantConfig, finalize_quantized_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from tinyvllm.attention.backend import AttentionMetadata
+    from tinyvllm.gguf.weight import GGUFWeight
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class LlamaAttention(nn.Module):
         options: FamilyOptions,
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
@@ -73,8 +76,12 @@ class LlamaAttention(nn.Module):
         qkv_bias = attention_bias if options.qkv_bias is None else options.qkv_bias
         o_bias = attention_bias if options.o_proj_bias is None else options.o_proj_bias
         self.head_dim = head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias)
-        self.o_proj = ReplicatedLinear(num_heads * head_dim, config.hidden_size, o_bias)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, quant_config
+        )
+        self.o_proj = ReplicatedLinear(
+            num_heads * head_dim, config.hidden_size, o_bias, quant_config
+        )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if options.qk_norm:
@@ -106,15 +113,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; use 'silu'")
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], bias)
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], bias, quant_config)
         self.act = SiluAndMul()
-        self.down_proj = ReplicatedLinear(size, config.hidden_size, bias)
+        self.down_proj = ReplicatedLinear(size, config.hidden_size, bias, quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -128,12 +135,15 @@ class LlamaDecoderLayer(nn.Module):
         options: FamilyOptions,
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, options, rotary_emb, sliding_window)
+        self.self_attn = LlamaAttention(
+            config, layer_idx, options, rotary_emb, sliding_window, quant_config
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, quant_config)
 
     def forward(
         self,
@@ -154,14 +164,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, max_model_len: int, options: FamilyOptions) -> None:
+    def __init__(
+        self,
+        config: Any,
+        max_model_len: int,
+        options: FamilyOptions,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config)
         # One table shared by all layers; sized for the longest sequence we serve.
         self.rotary_emb = RotaryEmbedding(RopeConfig.from_hf_config(config), max_model_len)
         windows = layer_sliding_windows(config, options.sliding_window_mode)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, options, self.rotary_emb, windows[i])
+            LlamaDecoderLayer(config, i, options, self.rotary_emb, windows[i], quant_config)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -180,7 +196,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM: `forward` returns final hidden states; `compute_logits` projects
-    the rows the sampler needs."""
+    the rows the sampler needs. `quant_config` builds weight-only quantized linear layers,
+    embedding and lm_head (None: float weights in the default dtype)."""
 
     options: ClassVar[FamilyOptions] = FamilyOptions()
 
@@ -193,16 +210,27 @@ class LlamaForCausalLM(nn.Module):
         (".up_proj.", ".gate_up_proj.", 1),
     )
 
-    def __init__(self, config: PretrainedConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        max_model_len: int,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.max_model_len = max_model_len
-        self.model = LlamaModel(config, max_model_len, self.options)
+        self.quant_config = quant_config
+        self.model = LlamaModel(config, max_model_len, self.options, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False)
+        head_quant = None if quant_config is None else quant_config.output_config()
+        self.lm_head = ReplicatedLinear(
+            config.hidden_size, config.vocab_size, bias=False, quant_config=head_quant
+        )
         if self.tie_word_embeddings:
             # Shares the embedding table (named_parameters lists it once, as the embedding).
             self.lm_head.weight = self.model.embed_tokens.weight
+            if self.model.embed_tokens.qweight is not None:
+                self.lm_head.qweight = self.model.embed_tokens.qweight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -221,14 +249,16 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints sometimes still store the (identical) output projection.
         return self.tie_word_embeddings and name == "lm_head.weight"
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors, streamed one by one, into the parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]]) -> None:
+        """Copy checkpoint tensors, streamed one by one, into the parameters (quantized
+        layers also take raw GGUF blocks)."""
         load_named_weights(
             self,
-            weights,
+            weights,  # type: ignore[arg-type]
             stacked_params=self.stacked_params,
             ignore=self._ignored_checkpoint_tensor,
         )
+        finalize_quantized_weights(self)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -174,15 +174,22 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
 
 
 def _iter_weights(
-    path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device | str
+    path: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    keep_quantized: bool,
 ) -> Iterator[tuple[str, Any]]:
-    """Checkpoint tensors of a safetensors model directory or a GGUF file (dequantized)."""
+    """Checkpoint tensors of a safetensors model directory or a GGUF file (dequantized, or
+    raw GGUF blocks with `keep_quantized`)."""
     from tinyvllm.gguf.reader import is_gguf_file, read_gguf
 
     if is_gguf_file(path):
         from tinyvllm.gguf.weights import iter_gguf_weights
 
-        return iter_gguf_weights(read_gguf(path), hf_config, dtype=dtype, device=device)
+        return iter_gguf_weights(
+            read_gguf(path), hf_config, dtype=dtype, device=device, keep_quantized=keep_quantized
+        )
     return iter_safetensors_weights(path)
 
 
@@ -202,14 +209,29 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_model_len: int,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the registered model class for `hf_config` on `device` in `dtype` and load
-    its safetensors weights from `model_dir` (or, for a .gguf file, its dequantized weights)."""
+    its weights from `model_dir` (safetensors) or a .gguf file.
+
+    With `quantization` ("int8", "int4", "gguf") linear layers, the embedding and the
+    lm_head hold weight-only quantized tensors; "gguf" streams the file's raw blocks into
+    them, the others quantize float weights as they arrive.
+    """
+    from tinyvllm.quant import QuantConfig
+
     model_cls = get_model_class(hf_config)
+    quant_config = QuantConfig.from_quantization(quantization)
     # Parameters are allocated directly on the device in the target dtype (uninitialised:
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(hf_config, max_model_len)  # type: ignore[call-arg]
-    weights = _iter_weights(Path(model_dir), hf_config, dtype, device)
+        model = model_cls(hf_config, max_model_len, quant_config=quant_config)  # type: ignore[call-arg]
+    weights = _iter_weights(Path(model_dir), hf_config, dtype, device, quantization == "gguf")
     model.load_weights(weights)  # type: ignore[operator]
     return model.eval()
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes held by a model's parameters and buffers (what its weights cost in memory)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

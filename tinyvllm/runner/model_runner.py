@@ -14,7 +14,7 @@ from tinyvllm.attention.backend import AttentionMetadata, get_attention_backend
 from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
-from tinyvllm.models.loader import load_model
+from tinyvllm.models.loader import load_model, module_bytes
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
@@ -33,7 +33,13 @@ class ModelRunner:
         self.device = device
         mc = config.model
         self.block_size = config.cache.block_size
-        self.model = load_model(mc.model_path, mc.hf_config, dtype, device, mc.max_model_len)
+        self.model = load_model(
+            mc.model_path, mc.hf_config, dtype, device, mc.max_model_len, mc.quantization
+        )
+        self.weight_bytes = module_bytes(self.model)
+        logger.info(
+            "model weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20, mc.quantization
+        )
         if device.type == "cpu" and dtype == torch.bfloat16 and not has_native_bf16_matmul():
             extra = attach_fp32_gemm_weights(self.model, FP32_GEMM_MIN_ROWS)
             logger.info(

