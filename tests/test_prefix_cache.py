@@ -103,21 +103,33 @@ def test_fully_cached_prompt_still_computes_its_last_token() -> None:
     assert out.num_scheduled_tokens["c"] == 1
 
 
-def test_same_prefix_in_one_step_is_not_shared_before_it_is_computed() -> None:
+def test_same_prefix_in_one_step_waits_for_the_kv_instead_of_reading_it_early() -> None:
     s = make_scheduler(32, enable_caching=True)
+    prefix = list(range(10, 22))
+    s.add_request(req("a", [*prefix, 1]))
+    s.add_request(req("b", [*prefix, 2]))
+    s.add_request(req("z", [90, 91, 92, 93, 94]))
+    out = s.schedule()
+    # b's next block is being computed by a this very step: b (and FCFS behind it) waits
+    # rather than computing the same prefix again or reading KV that nobody wrote yet.
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a"]
+    assert not s.kv.pool.cached  # nothing counts as cached until the step has run
+    s.update_from_output(out, fake_run(out, s))
+    assert len(s.kv.pool.cached) == 3
+    out = step(s)
+    new = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+    assert new == {"b": 12, "z": 0}
+    assert s.kv.get_block_ids("a")[:3] == s.kv.get_block_ids("b")[:3]
+    assert s.kv.counters.requests == 3 and s.kv.counters.hits == 12
+
+
+def test_prefix_without_caching_runs_together() -> None:
+    s = make_scheduler(32, enable_caching=False)
     prefix = list(range(10, 22))
     s.add_request(req("a", [*prefix, 1]))
     s.add_request(req("b", [*prefix, 2]))
     out = s.schedule()
     assert {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs} == {"a": 0, "b": 0}
-    assert s.kv.get_block_ids("a")[:3] != s.kv.get_block_ids("b")[:3]
-    # Nothing counts as cached until the step has run.
-    assert not s.kv.pool.cached
-    s.update_from_output(out, fake_run(out, s))
-    assert len(s.kv.pool.cached) == 3
-    s.add_request(req("c", [*prefix, 3]))
-    out = step(s)
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 12
 
 
 def test_chunked_prefill_caches_finished_chunks_only() -> None:

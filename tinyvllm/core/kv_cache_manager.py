@@ -80,10 +80,21 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def next_uncached_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
+        """The hash of the first block after a request's cache hits (None: no full block)."""
+        hashes = self.block_hashes(request, request.num_tokens - 1)
+        return hashes[num_hit_blocks] if num_hit_blocks < len(hashes) else None
+
+    def record_lookup(self, request: Request, num_cached_tokens: int) -> None:
+        """Count an admitted request's prompt tokens and cache hits (a lookup retried after a
+        deferred admission counts once)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return
         self.counters.requests += 1
         self.counters.queries += request.num_tokens
-        self.counters.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.counters.hits += num_cached_tokens
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's blocks whose KV is now fully written.

@@ -84,6 +84,10 @@ class Scheduler:
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
+        # Hashes of full blocks whose KV this step computes: a waiting request whose next
+        # uncached block is among them waits one step and then reads it from the cache,
+        # instead of computing the same prefix alongside.
+        inflight: set[bytes] = set()
 
         # Running requests first; preempt from the back when blocks run out.
         i = 0
@@ -110,6 +114,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if request.spec_token_ids:
                 spec_tokens[request.request_id] = list(request.spec_token_ids)
+            self._note_inflight_blocks(request, num_new, inflight)
             budget -= num_new
             i += 1
 
@@ -125,6 +130,9 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
                 request.num_cached_tokens = request.num_computed_tokens
+                if inflight and self.kv.next_uncached_hash(request, len(hits)) in inflight:
+                    request.num_computed_tokens = 0
+                    break
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -137,6 +145,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.kv.record_lookup(request, request.num_cached_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             new_reqs.append(
@@ -151,6 +160,7 @@ class Scheduler:
                 )
             )
             num_scheduled[request.request_id] = num_new
+            self._note_inflight_blocks(request, num_new, inflight)
             budget -= num_new
 
         for rid, n in num_scheduled.items():
@@ -199,6 +209,15 @@ class Scheduler:
         return updates
 
     # ---- internals ------------------------------------------------------------------------
+    def _note_inflight_blocks(self, request: Request, num_new: int, inflight: set[bytes]) -> None:
+        if not self.kv.enable_caching:
+            return
+        block_size = self.kv.block_size
+        start = request.num_computed_tokens // block_size
+        end = min(request.num_computed_tokens + num_new, request.num_tokens) // block_size
+        if end > start:
+            inflight.update(self.kv.block_hashes(request, end * block_size)[start:end])
+
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens and token in request.stop_token_ids:
