@@ -52,6 +52,8 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    # A validated tinyvllm.spec_decode.SpeculativeConfig, or None (no speculation).
+    speculative: Any = None
 
 
 @dataclass
@@ -84,6 +86,8 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:

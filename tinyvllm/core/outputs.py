@@ -60,3 +60,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(
         default_factory=dict
     )
+    # Draft tokens proposed for each request's next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Drafts verified this step, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -97,6 +97,10 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if request.spec_token_ids:
+                # Draft tokens beyond the budget are dropped, not postponed.
+                num_spec = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+                del request.spec_token_ids[num_spec:]
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -188,6 +192,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None:
                 continue  # aborted meanwhile
+            request.spec_token_ids = []
             if not token_ids:  # a partial prefill chunk: its finished blocks are now cacheable
                 self.kv.cache_computed_blocks(request)
                 continue
@@ -205,6 +210,8 @@ class Scheduler:
                 self.running.remove(request)
                 del self.requests[rid]
                 self._release(request)
+            else:
+                self._set_drafts(request, runner_output.draft_token_ids.get(rid))
             updates.append(RequestUpdate(request, accepted, finished))
         return updates
 
@@ -233,8 +240,20 @@ class Scheduler:
             return True
         return False
 
+    def _set_drafts(self, request: Request, drafts: list[int] | None) -> None:
+        """Keep the drafts that can still become output: none past max_tokens (the bonus
+        token is one more) or max_model_len."""
+        if not drafts:
+            return
+        room = min(
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens,
+        )
+        request.spec_token_ids = list(drafts[: max(room, 0)])
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

