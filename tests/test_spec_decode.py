@@ -83,6 +83,9 @@ def test_accepted_drafts_give_the_same_greedy_tokens(tiny_models: Any, family: s
     assert stats.spec_accepted_tokens < stats.spec_drafted_tokens
     assert stats.num_steps < 40 / 2
     assert stats.spec_acceptance_rate == stats.spec_accepted_tokens / stats.spec_drafted_tokens
+    assert stats.spec_current_k == 4
+    # Drafts t, t, x, t: two accepted, then the target's own token.
+    assert 2.0 < stats.spec_mean_accepted_length <= 3.0
 
 
 def test_seeded_sampling_identical_with_speculation(tiny_models: Any) -> None:

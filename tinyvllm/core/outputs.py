@@ -65,3 +65,4 @@ class ModelRunnerOutput:
     # Drafts verified this step, and how many of them were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_spec_requests: int = 0  # requests whose drafts were verified

@@ -136,6 +136,7 @@ class Engine:
     def get_stats(self, include_blocks: bool = False) -> EngineStats:
         """A consistent-enough snapshot for monitoring; safe to call from any thread."""
         sched = self.scheduler
+        speculator = self.runner.speculator
         waiting = list(sched.waiting)
         return self.stats.snapshot(
             self.kv_cache_manager,
@@ -144,6 +145,7 @@ class Engine:
             num_preempted_waiting=sum(r.status == RequestStatus.PREEMPTED for r in waiting),
             total_preemptions=sched.num_preemptions,
             include_blocks=include_blocks,
+            spec_current_k=0 if speculator is None else speculator.current_k,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -210,7 +212,11 @@ class Engine:
                 parent.metrics.num_preemptions, request.num_preemptions
             )
         if runner_out.num_draft_tokens:
-            self.stats.record_spec(runner_out.num_draft_tokens, runner_out.num_accepted_tokens)
+            self.stats.record_spec(
+                runner_out.num_draft_tokens,
+                runner_out.num_accepted_tokens,
+                runner_out.num_spec_requests,
+            )
         if not sched.is_empty:  # an empty step only lets the runner drop finished rows
             self.stats.record_step(
                 now, prompt_tokens, num_generated, sched.total_num_scheduled_tokens

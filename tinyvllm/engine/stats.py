@@ -90,7 +90,9 @@ class EngineStats:
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
+    # Tokens a request gains per verification: accepted drafts + the target's own token.
     spec_mean_accepted_length: float = 0.0
+    spec_current_k: int = 0
     # Optional per-block view (see `Engine.get_stats(include_blocks=True)`).
     blocks: tuple[BlockInfo, ...] = field(default=(), repr=False)
 
@@ -149,11 +151,11 @@ class StatsCollector:
             if e2e is not None:
                 self._e2e.append(e2e)
 
-    def record_spec(self, drafted: int, accepted: int) -> None:
+    def record_spec(self, drafted: int, accepted: int, verified_requests: int) -> None:
         with self._lock:
             self.spec_drafted += drafted
             self.spec_accepted += accepted
-            self.spec_verify_steps += 1 if drafted else 0
+            self.spec_verify_steps += verified_requests
 
     def snapshot(
         self,
@@ -163,6 +165,7 @@ class StatsCollector:
         num_preempted_waiting: int,
         total_preemptions: int,
         include_blocks: bool = False,
+        spec_current_k: int = 0,
     ) -> EngineStats:
         now = time.monotonic()
         with self._lock:
@@ -218,6 +221,7 @@ class StatsCollector:
             spec_drafted_tokens=drafted,
             spec_accepted_tokens=accepted,
             spec_acceptance_rate=accepted / drafted if drafted else 0.0,
-            spec_mean_accepted_length=accepted / verify_steps if verify_steps else 0.0,
+            spec_mean_accepted_length=1 + accepted / verify_steps if verify_steps else 0.0,
+            spec_current_k=spec_current_k,
             blocks=tuple(kv.block_view()) if include_blocks else (),
         )

@@ -111,7 +111,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
-        spec_counts = (0, 0)
+        spec_counts = (0, 0, 0)
         if drafts and batch.sample_idx.numel():
             sampled, logprobs, spec_counts = self._verify(batch, hidden, drafts)
         elif batch.sample_idx.numel():
@@ -147,11 +147,12 @@ class ModelRunner:
             draft_token_ids=proposals,
             num_draft_tokens=spec_counts[0],
             num_accepted_tokens=spec_counts[1],
+            num_spec_requests=spec_counts[2],
         )
 
     def _verify(
         self, batch: InputBatch, hidden: torch.Tensor, drafts: dict[str, list[int]]
-    ) -> tuple[list[list[int]], list | None, tuple[int, int]]:
+    ) -> tuple[list[list[int]], list | None, tuple[int, int, int]]:
         """Sampling when some requests carry drafts: the target's K_i + 1 logits per request
         go through the rejection sampler (K_i = 0 rows sample as usual)."""
         assert self.speculator is not None
@@ -170,7 +171,8 @@ class ModelRunner:
             if logprobs is not None and result.logprobs is not None:
                 entries = result.logprobs[j]
                 logprobs[i] = None if entries[0] is None else entries
-        return sampled, logprobs, (result.num_drafted, result.num_accepted)
+        counts = (result.num_drafted, result.num_accepted, result.num_verified)
+        return sampled, logprobs, counts
 
     def _append_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         states = self.states

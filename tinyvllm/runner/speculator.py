@@ -33,6 +33,7 @@ class VerifyResult:
     logprobs: list[list[LogprobEntry | None]] | None
     num_drafted: int
     num_accepted: int
+    num_verified: int  # requests that had drafts
 
 
 class Speculator:
@@ -50,6 +51,7 @@ class Speculator:
         )
         self.controller = KController(config)
         self.rejection_sampler = RejectionSampler()
+        self.current_k = 0  # the K chosen for the latest proposals (for stats)
 
     @staticmethod
     def write_drafts(states: RequestStates, drafts: dict[str, list[int]]) -> None:
@@ -115,7 +117,8 @@ class Speculator:
         rejected = sum(1 for d, a in zip(drafts, out.num_accepted, strict=True) if a < len(d))
         if drafted:
             self.controller.observe(drafted, accepted, rejected)
-        return VerifyResult(out.token_ids, logprobs, drafted, accepted)
+        verified = sum(1 for d in drafts if d)
+        return VerifyResult(out.token_ids, logprobs, drafted, accepted, verified)
 
     @staticmethod
     def _append(states: RequestStates, rows: torch.Tensor, padded: torch.Tensor) -> None:
@@ -133,7 +136,7 @@ class Speculator:
         its own prompt and output)."""
         if not req_ids:
             return {}
-        k = self.controller.choose_k(len(req_ids))
+        k = self.current_k = self.controller.choose_k(len(req_ids))
         if k == 0:
             return {}
         lengths = states.num_tokens[rows]
