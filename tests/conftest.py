@@ -52,3 +52,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -
 @pytest.fixture(params=FAMILIES)
 def tiny_model_dir(request: pytest.FixtureRequest, tiny_models: TinyModels) -> Path:
     return tiny_models[request.param]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads, and on two busy cores OpenMP's spinning
+    # workers fight the engine and event-loop threads for the CPU (steps get ~10x slower).
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -16,6 +16,9 @@ from tinyvllm import LLM, EngineArgs, RequestOutput, RequestOutputKind, Sampling
 from tinyvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
 from tinyvllm.engine.engine import Engine
 
+# One intra-op thread: see the fixture in conftest.py.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TIMEOUT = 60.0  # no test may hang: every wait is bounded by this
 KINDS = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
 
@@ -54,18 +57,6 @@ def assert_engine_clean(engine: Engine) -> None:
     assert not engine.scheduler.has_unfinished_requests()
     assert pool.num_free_blocks == pool.num_blocks
     assert all(c == 0 for c in pool.ref_counts)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads, and on two busy cores OpenMP's spinning
-    # workers fight the engine and event-loop threads for the CPU (steps get ~10x slower).
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Reference:

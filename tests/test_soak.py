@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
 from tinyvllm import LLM, RequestOutput, RequestOutputKind, SamplingParams
 from tinyvllm.engine.async_llm import AsyncLLM
+
+# One intra-op thread: see the fixture in conftest.py.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MAX_MODEL_LEN = 96
 MAX_PROMPT = 60
@@ -23,18 +25,6 @@ KINDS = tuple(RequestOutputKind)
 # Top-2 logprob gap under which the rounding of a different batch may flip a greedy pick (fp32
 # differences are ~1e-6; the 10k soak meets gaps of ~2e-5).
 TIE = 1e-3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads, and on two busy cores OpenMP's spinning
-    # workers fight the engine and event-loop threads for the CPU (steps get ~10x slower).
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @dataclass

@@ -194,3 +194,63 @@ def test_real_model_accepts_drafts_and_keeps_greedy_output() -> None:
     stats = spec.get_stats()
     assert stats.spec_accepted_tokens > 10, stats
     assert stats.num_steps < base.get_stats().num_steps
+
+
+def _draft_config(path: str, k: int = 3) -> dict[str, Any]:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_models: Any) -> None:
+    """The upper bound: a draft identical to the target proposes exactly the greedy tokens."""
+    path = str(tiny_models["llama"])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    expected = _run(LLM(path, dtype="float32", max_model_len=256), _prompts(), params)
+    spec = LLM(path, dtype="float32", max_model_len=256, speculative_config=_draft_config(path))
+    _always_speculate(spec, 3)
+    assert _run(spec, _prompts(), params) == expected
+    stats = spec.get_stats()
+    assert stats.spec_drafted_tokens > 0
+    assert stats.spec_accepted_tokens == stats.spec_drafted_tokens
+    assert stats.spec_mean_accepted_length > 3.0
+
+
+def test_other_draft_model_keeps_outputs_through_preemption(tiny_models: Any) -> None:
+    """A different (random) draft sharing the tokenizer: mostly rejected drafts, same tokens,
+    with a KV budget small enough to preempt and a token budget that chunks prefills."""
+    path, draft = str(tiny_models["llama"]), str(tiny_models["qwen2"])
+    prompts = _prompts(4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = [
+        SamplingParams(temperature=0.8, max_tokens=24, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    alone = LLM(path, dtype="float32", max_model_len=96, enable_prefix_caching=False)
+    want_greedy = [_run(alone, [p], greedy)[0] for p in prompts]
+    want_seeded = [_run(alone, [p], s)[0] for p, s in zip(prompts, seeded, strict=True)]
+    spec = LLM(
+        path,
+        dtype="float32",
+        max_model_len=96,
+        num_gpu_blocks_override=12,
+        max_num_batched_tokens=32,
+        speculative_config=_draft_config(draft),
+    )
+    _always_speculate(spec, 3)
+    assert _run(spec, prompts, greedy) == want_greedy
+    assert _run(spec, prompts, seeded) == want_seeded
+    assert spec.engine.scheduler.num_preemptions > 0
+    pool = spec.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_draft_vocabulary_must_match(tiny_models: Any, tmp_path: Any) -> None:
+    import json
+    import shutil
+
+    other = tmp_path / "draft"
+    shutil.copytree(tiny_models["llama"], other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 8
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(str(tiny_models["llama"]), speculative_config=_draft_config(str(other)))

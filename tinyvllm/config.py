@@ -38,6 +38,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
+    # Extra slots each request's blocks must cover beyond its scheduled tokens (draft models).
+    num_lookahead_tokens: int = 0
 
 
 @dataclass

@@ -102,7 +102,9 @@ class Scheduler:
                 num_spec = max(0, request.num_computed_tokens + num_new - request.num_tokens)
                 del request.spec_token_ids[num_spec:]
             while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(
+                    request, num_new, self._lookahead(request, num_new)
+                )
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
@@ -143,7 +145,9 @@ class Scheduler:
                     request.num_computed_tokens = 0
                     break
                 num_new = budget
-            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks=hits)
+            new_blocks = self.kv.allocate_slots(
+                request, num_new, self._lookahead(request, num_new), computed_blocks=hits
+            )
             if new_blocks is None:
                 # Look the cache up again next time: its content may have changed by then.
                 request.num_computed_tokens = 0
@@ -239,6 +243,11 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Lookahead slots, never past max_model_len (drafts stop there anyway)."""
+        room = self.config.max_model_len - request.num_computed_tokens - num_new
+        return max(0, min(self.config.num_lookahead_tokens, room))
 
     def _set_drafts(self, request: Request, drafts: list[int] | None) -> None:
         """Keep the drafts that can still become output: none past max_tokens (the bonus

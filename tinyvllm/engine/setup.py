@@ -92,10 +92,18 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_num_batched_tokens=max_batched,
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_model_len=max_model_len,
+            num_lookahead_tokens=_lookahead(args.speculative_config),
         ),
         device=DeviceConfig(device=str(device), attention_backend=args.attention_backend),
         speculative=_speculative_config(args.speculative_config),
     )
+
+
+def _lookahead(config: Any) -> int:
+    """Slots a draft model writes past the scheduled tokens (its K - 1 decode inputs, plus
+    one of slack)."""
+    spec = _speculative_config(config)
+    return 0 if spec is None or spec.method != "draft_model" else spec.num_speculative_tokens
 
 
 def _speculative_config(config: Any) -> Any:
@@ -103,10 +111,7 @@ def _speculative_config(config: Any) -> Any:
         return None
     from tinyvllm.spec_decode import SpeculativeConfig
 
-    spec = SpeculativeConfig.from_dict(config)
-    if spec.method != "ngram":
-        raise ValueError(f"speculative method {spec.method!r} is not available yet; use 'ngram'")
-    return spec
+    return SpeculativeConfig.from_dict(config)
 
 
 def _resolve_quantization(requested: str | None, gguf_path: Any) -> str | None:

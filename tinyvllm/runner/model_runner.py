@@ -15,6 +15,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.loader import load_model, module_bytes
+from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
@@ -49,10 +50,20 @@ class ModelRunner:
             )
         self.layers = self.model.attention_layers()
         self.backend = get_attention_backend(device, config.device.attention_backend)
+        self.draft: DraftModelProposer | None = None
+        kv_layers = list(self.layers)
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            draft_model = load_draft_model(
+                spec.model, mc.hf_config, dtype, device, mc.max_model_len
+            )
+            self.draft = DraftModelProposer(draft_model, self.block_size)
+            # The draft's KV shares the target's blocks, so each block costs both.
+            kv_layers += self.draft.attention_layers()
 
         self.num_blocks, max_model_len = determine_num_blocks(
             config.cache,
-            self.layers,
+            kv_layers,
             dtype,
             device,
             mc.max_model_len,
@@ -63,7 +74,7 @@ class ModelRunner:
         mc.max_model_len = config.scheduler.max_model_len = max_model_len
         config.cache.num_blocks = self.num_blocks
         self.kv_caches = allocate_kv_caches(
-            self.layers, self.backend, self.num_blocks, self.block_size, dtype, device
+            kv_layers, self.backend, self.num_blocks, self.block_size, dtype, device
         )
         max_blocks_per_req = -(-mc.max_model_len // self.block_size)
         # One spare column so the token sampled at max_model_len has somewhere to go.
@@ -73,7 +84,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.speculator: Speculator | None = None
         if config.speculative is not None:
-            self.speculator = Speculator(config.speculative, mc.max_model_len)
+            self.speculator = Speculator(
+                config.speculative, mc.max_model_len, self.draft, self.backend, device
+            )
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(mc.seed)
 
@@ -107,6 +120,8 @@ class ModelRunner:
         )
         self.backend.plan(batch.attn_metadata)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if self.draft is not None:
+            self.draft.follow_batch(batch)
 
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled: list[list[int]] = [[] for _ in req_ids]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyvllm.attention.backend import AttentionBackend
+from tinyvllm.runner.draft_model import DraftModelProposer
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.spec_decode import (
@@ -37,12 +39,20 @@ class VerifyResult:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise NotImplementedError(
-                f"speculative method {config.method!r} is not available yet; use 'ngram'"
-            )
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        draft: DraftModelProposer | None = None,
+        backend: AttentionBackend | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft model proposer is needed exactly for method 'draft_model'")
         self.config = config
+        self.draft = draft
+        self.backend = backend
+        self.device = device
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(
             config.prompt_lookup_min or 5,
@@ -151,8 +161,11 @@ class Speculator:
         ]
         if not any(x > 0 for x in ks):
             return {}
-        width = int(lengths.max())
-        proposals = self.proposer.propose(
-            states.token_ids[rows, :width], [max(x, 0) for x in ks], lengths=lengths
-        )
+        ks = [max(x, 0) for x in ks]
+        if self.draft is not None:
+            assert self.backend is not None and self.device is not None
+            proposals = self.draft.propose(states, rows, ks, self.backend, self.device)
+        else:
+            width = int(lengths.max())
+            proposals = self.proposer.propose(states.token_ids[rows, :width], ks, lengths=lengths)
         return {rid: p for rid, p in zip(req_ids, proposals, strict=True) if p}
