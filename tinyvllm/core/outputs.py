@@ -66,3 +66,5 @@ class ModelRunnerOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_requests: int = 0  # requests whose drafts were verified
+    # Per request with drafts: (drafts verified, drafts accepted).
+    spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -191,6 +191,10 @@ class Engine:
             parent = self.parents[self._child_to_parent[rid]]
             touched[parent.request_id] = parent
             num_generated += len(update.new_token_ids)
+            if rid in runner_out.spec_counts:
+                drafted, accepted = runner_out.spec_counts[rid]
+                parent.metrics.num_draft_tokens += drafted
+                parent.metrics.num_accepted_tokens += accepted
             self._record_token_times(parent, len(update.new_token_ids), now)
             finish_reason = request.status.finish_reason if update.finished else None
             try:

@@ -127,6 +127,7 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
         spec_counts = (0, 0, 0)
+        self._spec_counts: dict[str, tuple[int, int]] = {}
         if drafts and batch.sample_idx.numel():
             sampled, logprobs, spec_counts = self._verify(batch, hidden, drafts)
         elif batch.sample_idx.numel():
@@ -163,6 +164,7 @@ class ModelRunner:
             num_draft_tokens=spec_counts[0],
             num_accepted_tokens=spec_counts[1],
             num_spec_requests=spec_counts[2],
+            spec_counts=self._spec_counts,
         )
 
     def _verify(
@@ -183,6 +185,11 @@ class ModelRunner:
         logprobs: list | None = None if result.logprobs is None else [None] * len(batch.req_ids)
         for j, i in enumerate(sample_idx):
             sampled[i] = result.tokens[j]
+            if req_drafts[j]:
+                self._spec_counts[batch.req_ids[i]] = (
+                    len(req_drafts[j]),
+                    len(result.tokens[j]) - 1,
+                )
             if logprobs is not None and result.logprobs is not None:
                 entries = result.logprobs[j]
                 logprobs[i] = None if entries[0] is None else entries
