@@ -178,3 +178,27 @@ def test_observe_estimates_per_draft_acceptance() -> None:
 def test_controller_errors(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KController(config(), **kwargs)
+
+
+def test_measured_step_cost_turns_unprofitable_speculation_off() -> None:
+    """61% acceptance looks worth K=4 under the default cost guess, but if a K=4 step takes
+    3.2x a plain step (a CPU verifying 4 rows), speculation must stop."""
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    ctl = KController(config, initial_acceptance=0.61, ema_decay=0.5)
+    k = ctl.choose_k(1)
+    assert k > 0
+    ctl.observe_step_time(k, 1, 0.160)
+    assert ctl.choose_k(1) == 0  # a plain step gets measured once
+    ctl.observe_step_time(0, 1, 0.050)
+    assert ctl.relative_cost(k) == pytest.approx(3.2)
+    assert ctl.choose_k(1) == 0
+    # Cheap verification (a GPU) keeps speculating at the same acceptance.
+    gpu = KController(config, initial_acceptance=0.61, ema_decay=0.5)
+    k = gpu.choose_k(1)
+    gpu.observe_step_time(k, 1, 0.011)
+    gpu.choose_k(1)
+    gpu.observe_step_time(0, 1, 0.010)
+    assert gpu.choose_k(1) >= k > 0
+    # Idle gaps between requests are ignored.
+    gpu.observe_step_time(k, 1, 5.0)
+    assert gpu.relative_cost(k) == pytest.approx(1.1)

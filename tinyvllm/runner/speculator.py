@@ -10,6 +10,7 @@ next step overwrites before anything reads them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class Speculator:
         self.controller = KController(config)
         self.rejection_sampler = RejectionSampler()
         self.current_k = 0  # the K chosen for the latest proposals (for stats)
+        self._last_propose: float | None = None
 
     @staticmethod
     def write_drafts(states: RequestStates, drafts: dict[str, list[int]]) -> None:
@@ -146,6 +148,13 @@ class Speculator:
         its own prompt and output)."""
         if not req_ids:
             return {}
+        # The time from one proposal to the next is what a step with that K cost (verify,
+        # drafting, sampling and engine overhead included).
+        now = time.perf_counter()
+        if self._last_propose is not None:
+            elapsed = now - self._last_propose
+            self.controller.observe_step_time(self.current_k, len(req_ids), elapsed)
+        self._last_propose = now
         k = self.current_k = self.controller.choose_k(len(req_ids))
         if k == 0:
             return {}

@@ -204,6 +204,12 @@ class KController:
         self.probe_interval = probe_interval
         self._acceptance = initial_acceptance
         self._idle_steps = 0
+        # Measured seconds per step for each K (EMA); once K and 0 both have a measurement,
+        # their ratio replaces the `token_cost` guess (a K + 1 row verify costs far more
+        # than 1 + 0.1 K plain steps on a CPU whose kernels are compute-bound at small M).
+        # Keyed by (K, batch-size bucket): a step's cost depends on both.
+        self._step_time: dict[tuple[int, int], float] = {}
+        self._bucket = 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -212,13 +218,43 @@ class KController:
 
     def expected_tokens_per_cost(self, k: int) -> float:
         a = self._acceptance
-        return sum(a**i for i in range(k + 1)) / (1.0 + self.token_cost * k)
+        return sum(a**i for i in range(k + 1)) / self.relative_cost(k)
+
+    def relative_cost(self, k: int) -> float:
+        """Cost of a step with K drafts relative to a plain step: measured when possible."""
+        plain = self._step_time.get((0, self._bucket))
+        if k == 0 or not plain:
+            return 1.0 + self.token_cost * k
+        with_k = self._step_time.get((k, self._bucket))
+        if with_k is not None:
+            return with_k / plain
+        # Unmeasured K: extrapolate the per-draft cost of the nearest measured K linearly.
+        measured = [m for m, b in self._step_time if b == self._bucket and m > 0]
+        if not measured:
+            return 1.0 + self.token_cost * k
+        near = min(measured, key=lambda m: abs(m - k))
+        per_draft = max(self._step_time[(near, self._bucket)] / plain - 1.0, 0.0) / near
+        return 1.0 + per_draft * k
+
+    def observe_step_time(self, k: int, batch_size: int, seconds: float) -> None:
+        """Feed the wall time of one step that verified drafts chosen with this K."""
+        key = (k, _size_bucket(batch_size))
+        old = self._step_time.get(key)
+        if seconds <= 0 or (old is not None and seconds > 10 * old):
+            return  # idle time between requests is not a step's cost
+        self._step_time[key] = (
+            seconds if old is None else self.ema_decay * old + (1 - self.ema_decay) * seconds
+        )
 
     def choose_k(self, batch_size: int) -> int:
         cap = self.config.k_for_batch_size(batch_size)
         candidates = [k for k in self.allowed_k if k <= cap]
         if not candidates:
             return self.allowed_k[0]  # nothing small enough: the smallest bucket
+        self._bucket = _size_bucket(batch_size)
+        measured = {k for k, bucket in self._step_time if bucket == self._bucket}
+        if 0 in candidates and measured and 0 not in measured:
+            return 0  # measure a plain step once, so costs can be compared
         # Ties go to the smaller K: same gain for less work.
         best = max(candidates, key=lambda k: (self.expected_tokens_per_cost(k), -k))
         positive = [k for k in candidates if k > 0]
@@ -247,3 +283,8 @@ class KController:
             return
         rate = num_accepted / judged
         self._acceptance = self.ema_decay * self._acceptance + (1.0 - self.ema_decay) * rate
+
+
+def _size_bucket(batch_size: int) -> int:
+    """Powers of two: step costs are compared between batches of similar size."""
+    return 1 << max(batch_size - 1, 0).bit_length()
