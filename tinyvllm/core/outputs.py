@@ -62,9 +62,5 @@ class ModelRunnerOutput:
     )
     # Draft tokens proposed for each request's next step (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Drafts verified this step, and how many of them were accepted.
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_spec_requests: int = 0  # requests whose drafts were verified
-    # Per request with drafts: (drafts verified, drafts accepted).
+    # Per request whose drafts were verified this step: (drafts, accepted drafts).
     spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -46,7 +46,6 @@ class Engine:
         self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
         self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
         self.stats = StatsCollector()
-        self._prefix_seen = (0, 0)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
@@ -165,11 +164,7 @@ class Engine:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = new.num_computed_tokens
         counters = self.kv_cache_manager.counters
-        if (counters.queries, counters.hits) != self._prefix_seen:
-            self.stats.record_prefix_lookup(
-                counters.queries - self._prefix_seen[0], counters.hits - self._prefix_seen[1]
-            )
-            self._prefix_seen = (counters.queries, counters.hits)
+        self.stats.record_prefix_counters(counters.queries, counters.hits)
         prompt_tokens = self._prompt_tokens_scheduled(sched.num_scheduled_tokens)
         touched: dict[str, ParentState] = {}
         try:
@@ -215,11 +210,10 @@ class Engine:
             parent.metrics.num_preemptions = max(
                 parent.metrics.num_preemptions, request.num_preemptions
             )
-        if runner_out.num_draft_tokens:
+        if runner_out.spec_counts:
+            counts = runner_out.spec_counts.values()
             self.stats.record_spec(
-                runner_out.num_draft_tokens,
-                runner_out.num_accepted_tokens,
-                runner_out.num_spec_requests,
+                sum(d for d, _ in counts), sum(a for _, a in counts), len(counts)
             )
         if not sched.is_empty:  # an empty step only lets the runner drop finished rows
             self.stats.record_step(

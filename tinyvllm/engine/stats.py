@@ -115,6 +115,7 @@ class StatsCollector:
         self._itl: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._e2e: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._prefix: deque[tuple[int, int]] = deque(maxlen=PREFIX_WINDOW)
+        self._prefix_seen = (0, 0)
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
         self.num_steps = 0
@@ -135,9 +136,14 @@ class StatsCollector:
             while self._steps and self._steps[0].t < horizon:
                 self._steps.popleft()
 
-    def record_prefix_lookup(self, queries: int, hits: int) -> None:
+    def record_prefix_counters(self, queries: int, hits: int) -> None:
+        """Feed the cache manager's lifetime counters; the window keeps per-step deltas."""
+        seen_q, seen_h = self._prefix_seen
+        if (queries, hits) == (seen_q, seen_h):
+            return
         with self._lock:
-            self._prefix.append((queries, hits))
+            self._prefix.append((queries - seen_q, hits - seen_h))
+        self._prefix_seen = (queries, hits)
 
     def record_tokens(self, first_token_latency: float | None, gaps: list[float]) -> None:
         with self._lock:

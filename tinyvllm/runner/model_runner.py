@@ -42,12 +42,7 @@ class ModelRunner:
         logger.info(
             "model weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20, mc.quantization
         )
-        if device.type == "cpu" and dtype == torch.bfloat16 and not has_native_bf16_matmul():
-            extra = attach_fp32_gemm_weights(self.model, FP32_GEMM_MIN_ROWS)
-            logger.info(
-                "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs (+%.0f MiB)",
-                extra / 2**20,
-            )
+        self._add_cpu_gemm_weights(self.model)
         self.layers = self.model.attention_layers()
         self.backend = get_attention_backend(device, config.device.attention_backend)
         self.draft: DraftModelProposer | None = None
@@ -57,6 +52,7 @@ class ModelRunner:
             draft_model = load_draft_model(
                 spec.model, mc.hf_config, dtype, device, mc.max_model_len
             )
+            self._add_cpu_gemm_weights(draft_model)
             self.draft = DraftModelProposer(draft_model, self.block_size)
             # The draft's KV shares the target's blocks, so each block costs both.
             kv_layers += self.draft.attention_layers()
@@ -126,8 +122,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
-        spec_counts = (0, 0, 0)
-        self._spec_counts: dict[str, tuple[int, int]] = {}
+        spec_counts: dict[str, tuple[int, int]] = {}
         if drafts and batch.sample_idx.numel():
             sampled, logprobs, spec_counts = self._verify(batch, hidden, drafts)
         elif batch.sample_idx.numel():
@@ -161,15 +156,12 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=proposals,
-            num_draft_tokens=spec_counts[0],
-            num_accepted_tokens=spec_counts[1],
-            num_spec_requests=spec_counts[2],
-            spec_counts=self._spec_counts,
+            spec_counts=spec_counts,
         )
 
     def _verify(
         self, batch: InputBatch, hidden: torch.Tensor, drafts: dict[str, list[int]]
-    ) -> tuple[list[list[int]], list | None, tuple[int, int, int]]:
+    ) -> tuple[list[list[int]], list | None, dict[str, tuple[int, int]]]:
         """Sampling when some requests carry drafts: the target's K_i + 1 logits per request
         go through the rejection sampler (K_i = 0 rows sample as usual)."""
         assert self.speculator is not None
@@ -183,18 +175,24 @@ class ModelRunner:
         result = self.speculator.verify(self.states, rows, logits, req_drafts, self.generator)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list | None = None if result.logprobs is None else [None] * len(batch.req_ids)
+        spec_counts: dict[str, tuple[int, int]] = {}
         for j, i in enumerate(sample_idx):
             sampled[i] = result.tokens[j]
             if req_drafts[j]:
-                self._spec_counts[batch.req_ids[i]] = (
-                    len(req_drafts[j]),
-                    len(result.tokens[j]) - 1,
-                )
+                spec_counts[batch.req_ids[i]] = (len(req_drafts[j]), len(result.tokens[j]) - 1)
             if logprobs is not None and result.logprobs is not None:
                 entries = result.logprobs[j]
                 logprobs[i] = None if entries[0] is None else entries
-        counts = (result.num_drafted, result.num_accepted, result.num_verified)
-        return sampled, logprobs, counts
+        return sampled, logprobs, spec_counts
+
+    def _add_cpu_gemm_weights(self, model: torch.nn.Module) -> None:
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if cpu_bf16 and not has_native_bf16_matmul():
+            extra = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS)
+            logger.info(
+                "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs (+%.0f MiB)",
+                extra / 2**20,
+            )
 
     def _append_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         states = self.states

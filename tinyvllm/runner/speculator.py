@@ -34,9 +34,6 @@ LogprobEntry = tuple[list[int], list[float], int]
 class VerifyResult:
     tokens: list[list[int]]  # per sampling request: accepted drafts + one target token
     logprobs: list[list[LogprobEntry | None]] | None
-    num_drafted: int
-    num_accepted: int
-    num_verified: int  # requests that had drafts
 
 
 class Speculator:
@@ -129,8 +126,7 @@ class Speculator:
         rejected = sum(1 for d, a in zip(drafts, out.num_accepted, strict=True) if a < len(d))
         if drafted:
             self.controller.observe(drafted, accepted, rejected)
-        verified = sum(1 for d in drafts if d)
-        return VerifyResult(out.token_ids, logprobs, drafted, accepted, verified)
+        return VerifyResult(out.token_ids, logprobs)
 
     @staticmethod
     def _append(states: RequestStates, rows: torch.Tensor, padded: torch.Tensor) -> None:
