@@ -195,7 +195,9 @@ def test_real_model_accepts_drafts_and_keeps_greedy_output() -> None:
     got = [o.outputs[0].token_ids for o in spec.chat(messages, params, use_tqdm=False)]
     assert got == expected
     stats = spec.get_stats()
-    assert stats.spec_accepted_tokens > 10, stats
+    # Dynamic K weighs measured step costs, so how many drafts it risks depends on how cheap
+    # plain decode steps are here; some must still be accepted.
+    assert stats.spec_accepted_tokens >= 5, stats
     assert stats.num_steps < base.get_stats().num_steps
 
 

@@ -1,15 +1,25 @@
-"""Command line: `tinyvllm generate | check` (chat, tui, bench and serve come with later faces)."""
+"""Command line: `tinyvllm generate | check | chat | models | tui` (bench and serve come with
+later faces)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from typing import Any
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", required=True, help="local directory, .gguf file or hub id")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+def _add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
+    p.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="catalog name (`tinyvllm models`), hub id, local directory or .gguf file; "
+        "default: the catalog's default model",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="auto | float32 | bfloat16 | float16 (default: auto)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -22,26 +32,62 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto (keep a GGUF file's quantized blocks) | none (dequantize) | int8 | int4 | gguf;"
         " default: auto, except check: none",
     )
+    if draft:
+        p.add_argument(
+            "--draft",
+            action="store_true",
+            help="speculative decoding with the catalog entry's draft model",
+        )
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "dtype": args.dtype,
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine arguments the user gave; the catalog entry's suggestions fill the rest."""
+    kwargs = {
         "max_model_len": args.max_model_len,
         "device": args.device,
         "seed": args.seed,
-        "revision": args.revision,
-        "gguf_file": args.gguf_file,
         "trust_remote_code": args.trust_remote_code,
-        "quantization": args.quantization or "auto",
     }
+    if args.dtype is not None:
+        kwargs["dtype"] = args.dtype
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization
+    return kwargs
+
+
+def resolve_cli_model(
+    spec: str | None,
+    engine_kwargs: dict[str, Any],
+    revision: str | None = None,
+    gguf_file: str | None = None,
+    with_draft: bool = False,
+) -> tuple[str, dict[str, Any], str]:
+    """(model path, engine kwargs, label) for `spec`, downloading with a progress bar on
+    stderr if needed; explicit engine arguments win over the catalog entry's."""
+    from tinyvllm.catalog import progress_bar, resolve_model
+
+    with progress_bar() as bar:
+        resolved = resolve_model(
+            spec,
+            progress=bar,
+            revision=revision,
+            gguf_file=gguf_file,
+            with_draft=with_draft,
+        )
+    if with_draft and resolved.draft is None:
+        raise ValueError(f"{resolved.name} has no draft model in the catalog; drop --draft")
+    label = resolved.name if resolved.entry is not None else resolved.model
+    return resolved.model, {**resolved.engine_kwargs(), **engine_kwargs}, label
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tinyvllm import LLM, SamplingParams
 
     prompts = args.prompt or [sys.stdin.read()]
-    llm = LLM(args.model, **_engine_kwargs(args))
+    model, kwargs, _ = resolve_cli_model(
+        args.model, _engine_kwargs(args), args.revision, args.gguf_file, args.draft
+    )
+    llm = LLM(model, **kwargs)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -68,15 +114,70 @@ def cmd_check(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
     from tinyvllm.parity import DEFAULT_PROMPTS, load_hf_reference, run_parity
 
-    kwargs = _engine_kwargs(args)
+    model, kwargs, _ = resolve_cli_model(
+        args.model, _engine_kwargs(args), args.revision, args.gguf_file
+    )
     kwargs["dtype"] = "float32"
     # Parity is about the implementation: run the same (dequantized) weights HF runs.
     kwargs["quantization"] = args.quantization or "none"
-    llm = LLM(args.model, **kwargs)
+    llm = LLM(model, **kwargs)
     hf = load_hf_reference(llm.engine.config.model.model_path)
     report = run_parity(llm, hf, args.prompt or DEFAULT_PROMPTS, max_tokens=args.max_tokens)
     print(report.summary())
     return 0 if report.identical and report.max_logprob_diff < args.tolerance else 1
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from tinyvllm.catalog.listing import catalog_json, catalog_table
+
+    if args.json:
+        print(catalog_json(args.search))
+    else:
+        print(catalog_table(args.search))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tinyvllm.chat.repl import run_chat
+    from tinyvllm.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+    )
+    engine_kwargs = _engine_kwargs(args)
+    # --revision / --gguf-file describe --model, not what /load switches to later.
+    pinned: dict[str, Any] = {
+        "revision": args.revision,
+        "gguf_file": args.gguf_file,
+        "with_draft": args.draft,
+    }
+
+    def load(spec: str | None) -> tuple[Any, str]:
+        from tinyvllm.engine.async_llm import AsyncLLM
+
+        model, kwargs, label = resolve_cli_model(spec, engine_kwargs, **pinned)
+        pinned.update(revision=None, gguf_file=None, with_draft=False)
+        print(f"loading {label} ...", file=sys.stderr, flush=True)
+        return AsyncLLM(model, **kwargs), label
+
+    try:
+        return run_chat(load, args.model, params=params, system=args.system)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    # The TUI is a separate package (tinyvllm_tui); tinyvllm itself never imports textual.
+    try:
+        from tinyvllm_tui.cli import run_from_args
+    except ImportError as exc:
+        raise ValueError(f"the TUI needs textual ({exc}); pip install textual") from None
+    return run_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    _add_engine_args(gen)
+    _add_engine_args(gen, draft=True)
     gen.add_argument("prompt", nargs="*", help="prompt(s); read from stdin when absent")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -102,6 +203,33 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--max-tokens", type=int, default=32)
     chk.add_argument("--tolerance", type=float, default=1e-3, help="max |logprob diff|")
     chk.set_defaults(func=cmd_check)
+
+    tui = sub.add_parser("tui", help="terminal UI: pick a model, chat, watch the engine")
+    tui.add_argument("--model", "-m", default=None, help="catalog name, hub id, dir or .gguf")
+    tui.add_argument("--max-model-len", type=int, default=2048)
+    tui.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    tui.add_argument("--demo", action="store_true", help="scripted model and stats, no engine")
+    tui.set_defaults(func=cmd_tui)
+
+    models = sub.add_parser("models", help="list the model catalog and what is on disk")
+    models.add_argument("search", nargs="?", default="", help="only entries matching this text")
+    models.add_argument("--json", action="store_true", help="machine-readable output")
+    models.set_defaults(func=cmd_models)
+
+    chat = sub.add_parser(
+        "chat",
+        help="chat with a model in the terminal",
+        description="Chat in the terminal (/help inside lists commands). With stdin not a "
+        "terminal, each input line is one user turn and only answers go to stdout.",
+    )
+    _add_engine_args(chat, draft=True)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.9)
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--max-tokens", type=int, default=1024, help="longest answer")
+    chat.add_argument("--sample-seed", type=int, default=None)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 

@@ -46,6 +46,8 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "cpu"
     attention_backend: str | None = None
+    # No CUDA graphs on GPU, no native decode kernels on CPU: the plain PyTorch path.
+    enforce_eager: bool = False
 
 
 @dataclass

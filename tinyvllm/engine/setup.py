@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from tinyvllm.config import (
@@ -25,14 +26,15 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     from tinyvllm.models.registry import get_model_class
     from tinyvllm.utils.device import choose_dtype, resolve_device
 
+    model, gguf_file = _catalog_files(args.model, args.gguf_file)
     # A GGUF checkpoint is one file: config, tokenizer and weights all come from it.
-    gguf_path = resolve_gguf_path(args.model, args.gguf_file, args.revision, args.download_dir)
+    gguf_path = resolve_gguf_path(model, gguf_file, args.revision, args.download_dir)
     if gguf_path is not None:
         from tinyvllm.gguf.config import load_gguf_config
 
         model_path, hf_config = gguf_path, load_gguf_config(gguf_path)
     else:
-        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+        model_path = resolve_model_path(model, args.revision, args.download_dir)
         try:
             hf_config = AutoConfig.from_pretrained(
                 str(model_path), trust_remote_code=args.trust_remote_code
@@ -94,9 +96,24 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_model_len=max_model_len,
             num_lookahead_tokens=_lookahead(args.speculative_config),
         ),
-        device=DeviceConfig(device=str(device), attention_backend=args.attention_backend),
+        device=DeviceConfig(
+            device=str(device),
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+        ),
         speculative=_speculative_config(args.speculative_config),
     )
+
+
+def _catalog_files(model: str, gguf_file: str | None) -> tuple[str, str | None]:
+    """A catalog name (`LLM("SmolLM2-135M-Instruct")`) -> its files; anything else as given.
+    Paths and hub ids ("org/name") never reach the catalog."""
+    if gguf_file is not None or "/" in model or os.path.exists(os.path.expanduser(model)):
+        return model, gguf_file
+    from tinyvllm.catalog import resolve_catalog_name
+
+    resolved = resolve_catalog_name(model)
+    return (model, gguf_file) if resolved is None else (resolved.model, resolved.gguf_file)
 
 
 def _lookahead(config: Any) -> int:

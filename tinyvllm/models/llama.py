@@ -20,6 +20,7 @@ from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear, Replica
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
 from tinyvllm.models.weights import load_named_weights
+from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS, dtype_code
 from tinyvllm.quant import QuantConfig, finalize_quantized_weights
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
     from tinyvllm.attention.backend import AttentionMetadata
     from tinyvllm.gguf.weight import GGUFWeight
+    from tinyvllm.native.llama_decode import LlamaDecodeProgram
+    from tinyvllm.native.ops import NativeCpuOps
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,16 @@ class LlamaAttention(nn.Module):
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         # Qwen3 normalises each head separately, before rope.
+        native = norm.native
+        if (
+            native is not None
+            and x.shape[0] <= MAX_ELEMENTWISE_ROWS
+            and x.stride(1) == 1
+            and x.dtype == norm.weight.dtype
+            and dtype_code(x.dtype) is not None
+        ):
+            native.head_norm_(x, self.head_dim, norm.weight, norm.eps)  # x: fresh qkv rows
+            return x
         return norm(x.unflatten(-1, (-1, self.head_dim))).flatten(-2)
 
     def forward(
@@ -242,6 +255,12 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def native_decode_program(self, ops: NativeCpuOps) -> LlamaDecodeProgram | None:
+        """The whole decode step as one native call (CPU; None if this model cannot)."""
+        from tinyvllm.native.llama_decode import LlamaDecodeProgram
+
+        return LlamaDecodeProgram.build(self, ops)
 
     def _ignored_checkpoint_tensor(self, name: str) -> bool:
         if "rotary_emb." in name:  # inv_freq / cos / sin caches some exports include

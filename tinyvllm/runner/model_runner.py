@@ -11,10 +11,12 @@ import logging
 import torch
 
 from tinyvllm.attention.backend import AttentionMetadata, get_attention_backend
+from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
 from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.loader import load_model, module_bytes
+from tinyvllm.native import NativeCpuOps, attach_native_ops
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
@@ -44,7 +46,10 @@ class ModelRunner:
         )
         self._add_cpu_gemm_weights(self.model)
         self.layers = self.model.attention_layers()
+        self.native = self._load_native_ops()
         self.backend = get_attention_backend(device, config.device.attention_backend)
+        if self.native is not None and config.device.attention_backend is None:
+            self.backend = NativeCpuAttentionBackend(self.native)
         self.draft: DraftModelProposer | None = None
         kv_layers = list(self.layers)
         spec = config.speculative
@@ -53,6 +58,7 @@ class ModelRunner:
                 spec.model, mc.hf_config, dtype, device, mc.max_model_len
             )
             self._add_cpu_gemm_weights(draft_model)
+            attach_native_ops(draft_model, self.native)
             self.draft = DraftModelProposer(draft_model, self.block_size)
             # The draft's KV shares the target's blocks, so each block costs both.
             kv_layers += self.draft.attention_layers()
@@ -72,6 +78,11 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             kv_layers, self.backend, self.num_blocks, self.block_size, dtype, device
         )
+        # Built after the KV caches exist: the program points into them.
+        self.decode_program = None
+        build_program = getattr(self.model, "native_decode_program", None)
+        if self.native is not None and build_program is not None:
+            self.decode_program = build_program(self.native)
         max_blocks_per_req = -(-mc.max_model_len // self.block_size)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
@@ -114,8 +125,7 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        self.backend.plan(batch.attn_metadata)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        hidden = self._forward(batch)
         if self.draft is not None:
             self.draft.follow_batch(batch)
 
@@ -159,6 +169,18 @@ class ModelRunner:
             spec_counts=spec_counts,
         )
 
+    def _forward(self, batch: InputBatch) -> torch.Tensor:
+        md = batch.attn_metadata
+        program = self.decode_program
+        if program is not None and program.supports(md.num_reqs, md.num_actual_tokens):
+            if self.draft is not None:  # the draft model runs its layers on this plan
+                self.backend.plan(md)
+            return program.run(
+                batch.input_ids, batch.positions, md.slot_mapping, md.seq_lens, md.block_table
+            )
+        self.backend.plan(md)
+        return self.model(batch.input_ids, batch.positions, md)
+
     def _verify(
         self, batch: InputBatch, hidden: torch.Tensor, drafts: dict[str, list[int]]
     ) -> tuple[list[list[int]], list | None, dict[str, tuple[int, int]]]:
@@ -184,6 +206,16 @@ class ModelRunner:
                 entries = result.logprobs[j]
                 logprobs[i] = None if entries[0] is None else entries
         return sampled, logprobs, spec_counts
+
+    def _load_native_ops(self) -> NativeCpuOps | None:
+        """The CPU counterpart of CUDA graphs: decode steps through native kernels that cut
+        per-op dispatch and read weights and paged KV in place (off with enforce_eager)."""
+        if self.device.type != "cpu" or self.config.device.enforce_eager:
+            return None
+        ops = NativeCpuOps.load()
+        if ops is not None:
+            attach_native_ops(self.model, ops)
+        return ops
 
     def _add_cpu_gemm_weights(self, model: torch.nn.Module) -> None:
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.gguf.weight import GGUFWeight
+from tinyvllm.native.ops import MAX_LINEAR_ROWS, NativeCpuOps
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import QuantizedWeight
 
@@ -63,6 +64,9 @@ class LinearBase(nn.Module):
     the only thing the model calls, so a quantized implementation can slot in.
     """
 
+    # Native CPU kernels (set by the runner): decode-sized inputs read the weight directly.
+    native: NativeCpuOps | None = None
+
     def __init__(
         self,
         input_size: int,
@@ -108,6 +112,12 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)
+        if (
+            self.native is not None
+            and x.shape[0] <= MAX_LINEAR_ROWS
+            and self.native.can_linear(x, self.weight)
+        ):
+            return self.native.linear(x, self.weight, self.bias)
         if self.gemm_weight is not None and x.shape[0] >= self.gemm_min_rows:
             return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

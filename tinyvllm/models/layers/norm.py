@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.models.layers.linear import new_parameter
+from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS, NativeCpuOps, dtype_code
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +17,8 @@ class RMSNorm(nn.Module):
     residual stream and returns (normalised sum, sum), so a decoder layer can carry the
     residual without a separate add kernel.
     """
+
+    native: NativeCpuOps | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -34,6 +37,18 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if (
+            self.native is not None
+            and x.dim() == 2
+            and x.shape[0] <= MAX_ELEMENTWISE_ROWS
+            and x.is_contiguous()
+            and dtype_code(x.dtype) is not None
+            and self.weight.dtype == x.dtype
+            and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))
+        ):
+            # One call; the residual stream is updated in place (nobody else holds it).
+            out = self.native.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         # The add happens in the activation dtype, as in HF's `residual + hidden_states`.

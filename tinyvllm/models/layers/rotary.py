@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS, NativeCpuOps, dtype_code
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -198,6 +200,8 @@ class RotaryEmbedding(nn.Module):
     picks its long factors once, when max_position exceeds the original training length.
     """
 
+    native: NativeCpuOps | None = None
+
     def __init__(self, rope: RopeConfig, max_position: int) -> None:
         super().__init__()
         self.head_dim = rope.head_dim
@@ -231,6 +235,21 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq * head_dim]; k [T, Hkv * head_dim] -> rotated (q, k)."""
+        native = self.native
+        if (
+            native is not None
+            and q.shape[0] <= MAX_ELEMENTWISE_ROWS
+            and q.dtype == k.dtype
+            and dtype_code(q.dtype) is not None
+            and q.stride(1) == 1
+            and k.stride(1) == 1
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+        ):
+            # In place: q and k are views of this step's fresh qkv projection.
+            native.rope_(q, k, self.head_dim, self.rotary_dim, positions, self.cos_cache,
+                         self.sin_cache)  # fmt: skip
+            return q, k
         # Every layer of one forward passes the same positions tensor: look cos/sin up once.
         cached = self._step_cache
         if cached is not None and cached[0] is positions and cached[1].dtype == q.dtype:

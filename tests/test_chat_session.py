@@ -1,0 +1,180 @@
+"""ChatSession over a tiny random model: the template and history, streaming, stop, settings,
+trimming to the context, transcripts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.chat import ChatSession, TurnSummary
+from tinyvllm.engine.async_llm import AsyncLLM
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_LEN = 256
+
+
+def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models) -> LLM:
+    return LLM(str(tiny_models["qwen2"]), dtype="float32", max_model_len=MAX_LEN)
+
+
+@pytest.fixture
+def async_llm(llm: LLM) -> Iterator[AsyncLLM]:
+    """An AsyncLLM over the shared engine (use the LLM only before this starts)."""
+    a = AsyncLLM(llm.engine)
+    yield a
+    a.shutdown(timeout=30)
+
+
+def turn(session: ChatSession, text: str) -> str:
+    async def go() -> str:
+        return "".join([d async for d in session.send(text)])
+
+    return asyncio.run(go())
+
+
+def test_multi_turn_matches_llm_chat(llm: LLM, tiny_models) -> None:
+    # References first: LLM.chat drives the engine the AsyncLLM will own.
+    first_ref = llm.chat([{"role": "user", "content": "hello there"}], greedy(), use_tqdm=False)
+    first = first_ref[0].outputs[0].text
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "how are you"},
+    ]
+    second = llm.chat(conversation, greedy(), use_tqdm=False)[0].outputs[0].text
+
+    a = AsyncLLM(llm.engine)
+    try:
+        session = ChatSession(a, greedy())
+        assert turn(session, "hello there") == first
+        summary = session.last_turn
+        assert summary.finish_reason in ("stop", "length") and summary.completion_tokens > 0
+        assert summary.prompt_tokens == len(first_ref[0].prompt_token_ids)
+        # Same history as the reference conversation (with a fixed assistant turn).
+        session.messages[-1]["content"] = "hi"
+        session.system = "be brief"
+        assert turn(session, "how are you") == second
+        assert [m["role"] for m in session.messages] == ["user", "assistant"] * 2
+        assert session.conversation()[0] == {"role": "system", "content": "be brief"}
+        session.reset()
+        assert session.messages == [] and session.last_turn is None
+        assert session.system == "be brief"
+    finally:
+        a.shutdown(timeout=30)
+
+
+def test_stop_keeps_partial_answer(async_llm: AsyncLLM) -> None:
+    session = ChatSession(async_llm, greedy(max_tokens=200, ignore_eos=True))
+
+    async def go() -> list[str]:
+        deltas = []
+        async for delta in session.send("tell me a long story"):
+            deltas.append(delta)
+            if len(deltas) == 3:
+                session.stop()
+        return deltas
+
+    deltas = asyncio.run(go())
+    assert 3 <= len(deltas) < 200
+    last = session.messages[-1]
+    assert last == {"role": "assistant", "content": "".join(deltas), "stopped": True}
+    assert session.last_turn.finish_reason == "abort" and "stopped" in session.last_turn.line()
+    assert not session.busy
+    # The stopped turn is part of the next prompt; stop() when idle is a no-op.
+    session.stop()
+    turn(session, "go on")
+    assert len(session.messages) == 4 and "stopped" not in session.messages[-1]
+
+
+def test_leaving_the_stream_counts_as_stopped(async_llm: AsyncLLM) -> None:
+    session = ChatSession(async_llm, greedy(max_tokens=100, ignore_eos=True))
+
+    async def go() -> None:
+        stream = session.send("hi")
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(go())
+    assert session.messages[-1]["stopped"] is True and not session.busy
+
+
+def test_reset_during_an_answer_leaves_an_empty_history(async_llm: AsyncLLM) -> None:
+    session = ChatSession(async_llm, greedy(max_tokens=100, ignore_eos=True))
+
+    async def go() -> None:
+        async for _ in session.send("hi"):
+            session.reset()
+
+    asyncio.run(go())
+    assert session.messages == [] and session.last_turn is None and not session.busy
+
+
+def test_set_param_parsing_and_errors(async_llm: AsyncLLM) -> None:
+    session = ChatSession(async_llm)
+    session.set_param("top_p", "0.5")
+    session.set_param("temperature=0")  # greedy must not wipe the user's top_p
+    session.set_param("temperature", 0.8)
+    assert session.params.top_p == 0.5 and session.params.temperature == 0.8
+    session.set_param("max-tokens=none")
+    session.set_param("seed", "7")
+    assert session.params.max_tokens is None and session.params.seed == 7
+    with pytest.raises(ValueError, match="unknown setting 'colour'; valid settings: temperature"):
+        session.set_param("colour=red")
+    with pytest.raises(ValueError, match="top_k must be an integer, got 'lots'"):
+        session.set_param("top_k", "lots")
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
+        session.set_param("top_p=2")
+    assert session.params.top_p == 0.5  # a rejected value changes nothing
+
+
+def test_history_is_trimmed_to_the_context(async_llm: AsyncLLM) -> None:
+    notices: list[str] = []
+    session = ChatSession(
+        async_llm, greedy(max_tokens=16), system="sys prompt", notice=notices.append
+    )
+    words = " ".join(["lorem"] * 40)
+    for _ in range(8):
+        turn(session, words)
+    assert notices and "dropped" in notices[0] and f"{MAX_LEN}-token" in notices[0]
+    assert session.last_turn.dropped_turns >= 1 or any("dropped" in n for n in notices)
+    assert session.system == "sys prompt"
+    assert session.messages[0]["role"] == "user" and session.messages[-1]["role"] == "assistant"
+    before = list(session.messages)
+    with pytest.raises(ValueError, match="send a shorter message"):
+        turn(session, " ".join(["lorem"] * 400))
+    assert session.messages == before
+
+
+def test_save_json_and_markdown(async_llm: AsyncLLM, tmp_path: Path) -> None:
+    session = ChatSession(async_llm, greedy(), system="sys")
+    session.messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "stopped": True},
+    ]
+    data = json.loads(session.save(tmp_path / "t.json").read_text())
+    assert data["system"] == "sys" and data["messages"] == session.messages
+    assert data["params"]["temperature"] == 0.0
+    md = session.save(tmp_path / "t.md").read_text()
+    assert "**user:**\n\nq" in md and "**assistant:** *(stopped)*" in md
+
+
+def test_turn_summary_line() -> None:
+    line = TurnSummary(12, 34, 25.25, 0.412, "length", dropped_turns=2).line()
+    assert line == (
+        "[34 tokens, 25.2 tok/s, TTFT 0.41 s, prompt 12 tokens, hit the token limit, "
+        "2 old turn(s) dropped]"
+    )
+    assert TurnSummary(1, 1, 0.0, None, "stop").line() == "[1 tokens, 0.0 tok/s, prompt 1 tokens]"

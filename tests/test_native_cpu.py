@@ -1,0 +1,139 @@
+"""The native CPU decode kernels against the PyTorch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinyvllm.native import NativeCpuOps
+from tinyvllm.native.build import unsupported_reason
+
+pytestmark = pytest.mark.skipif(
+    unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
+)
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeCpuOps:
+    loaded = NativeCpuOps.load()
+    assert loaded is not None
+    return loaded
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest difference in units of the last place (bf16 compared by its bits)."""
+    if a.dtype == torch.bfloat16:
+        ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+        return int((ai - bi).abs().max())
+    return -1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n,k", [(37, 64), (96, 200), (130, 13)])
+def test_linear(ops: NativeCpuOps, dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    for bias in (None, b):
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        got = ops.linear(x, w, bias)
+        assert got.dtype == dtype
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_eager_bitwise_outside_statistics(
+    ops: NativeCpuOps, dtype: torch.dtype
+) -> None:
+    from tinyvllm.models.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(3, 96, generator=gen).to(dtype)
+    res = torch.randn(3, 96, generator=gen).to(dtype)
+    ref_out, ref_res = norm(x, res.clone())
+    res_native = res.clone()
+    got = ops.rms_norm(x, res_native, norm.weight, 1e-5)
+    assert torch.equal(res_native, ref_res)
+    if dtype == torch.bfloat16:
+        assert _ulps(got, ref_out) <= 1
+    else:
+        torch.testing.assert_close(got, ref_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ops.rms_norm(x, None, norm.weight, 1e-5), norm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(ops: NativeCpuOps, dtype: torch.dtype) -> None:
+    from tinyvllm.models.layers.activation import SiluAndMul
+
+    x = torch.randn(4, 2 * 50, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = SiluAndMul()(x)
+    got = ops.silu_mul(x)
+    if dtype == torch.bfloat16:
+        assert _ulps(got, ref) <= 1
+    else:
+        torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+def test_rope_in_place_matches_eager(
+    ops: NativeCpuOps, dtype: torch.dtype, rotary_dim: int
+) -> None:
+    from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
+
+    head_dim, hq, hkv = 32, 4, 2
+    cfg = RopeConfig("default", 10000.0, head_dim, rotary_dim, 256)
+    rope = RotaryEmbedding(cfg, 256)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(3, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 17, 200])
+    q, k, _ = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    ops.rope_(q, k, head_dim, rotary_dim, positions, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 20.0)])
+def test_paged_decode_and_store(
+    ops: NativeCpuOps, dtype: torch.dtype, window: int | None, cap: float | None
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_blocks, hkv, group, d = 4, 32, 2, 3, 16
+    kv = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    seq_lens = torch.tensor([1, 7, 13], dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    block_table = perm[:12].view(3, 4).contiguous()
+    # Write the current token's K/V through store_kv, as the backend does.
+    new_k = torch.randn(3, hkv, d, generator=gen).to(dtype)
+    new_v = torch.randn(3, hkv, d, generator=gen).to(dtype)
+    pos = seq_lens.long() - 1
+    slots = block_table.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size
+    slots += pos % block_size
+    ops.store_kv(new_k, new_v, kv, slots)
+    flat = kv.view(2, -1, hkv, d)
+    assert torch.equal(flat[0, slots], new_k) and torch.equal(flat[1, slots], new_v)
+
+    q = torch.randn(3, hkv * group, d, generator=gen).to(dtype)
+    out = torch.zeros_like(q)
+    tok = torch.arange(3)
+    ops.paged_decode(q, out, tok, tok, seq_lens, block_table, kv, 0.25, window, cap)
+    for i in range(3):
+        n = int(seq_lens[i])
+        ids = block_table[i].long()
+        k = kv[0][ids].reshape(-1, hkv, d)[:n].float().repeat_interleave(group, 1)
+        v = kv[1][ids].reshape(-1, hkv, d)[:n].float().repeat_interleave(group, 1)
+        s = torch.einsum("hd,lhd->hl", q[i].float(), k) * 0.25
+        if cap:
+            s = torch.tanh(s / cap) * cap
+        if window:
+            s[:, : max(0, n - window)] = float("-inf")
+        ref = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[i].float(), ref.to(dtype).float(), rtol=tol, atol=tol)

@@ -1,0 +1,87 @@
+"""CPU attention backend that runs decode-only steps through the native kernels.
+
+Decode reads K/V straight from the paged cache through the block table (no gather, no
+layout copy, no mask tensor); steps that contain a prefill chunk take the torch backend's
+path unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.attention.layer import Attention
+from tinyvllm.attention.torch_attn import TorchAttentionBackend
+from tinyvllm.native.ops import NativeCpuOps, dtype_code
+
+# The kernel keeps one running max per query head of a KV group on the stack.
+_MAX_GROUP = 64
+
+
+@dataclass
+class _NativeDecodePlan:
+    token_idx: torch.Tensor  # [n] int64 flattened token of each decode query
+    rows: torch.Tensor  # [n] int64 batch row (into seq_lens / block_table)
+    torch_plan: object  # the torch backend's plan, for layers the kernel cannot take
+
+
+class NativeCpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu_native"
+
+    def __init__(self, ops: NativeCpuOps) -> None:
+        self.ops = ops
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        super().plan(metadata)
+        qsl = metadata.query_start_loc_cpu
+        decode_only = metadata.max_query_len == 1 and qsl[-1] == metadata.num_reqs
+        if decode_only and getattr(metadata, "bidirectional_ranges", None) is None:
+            n = metadata.num_reqs
+            idx = torch.arange(n, dtype=torch.int64)
+            metadata.plan = _NativeDecodePlan(idx, idx, metadata.plan)
+
+    def _native_ok(self, layer: Attention, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (
+            layer.num_heads // layer.num_kv_heads <= _MAX_GROUP
+            and dtype_code(query.dtype) is not None
+            and kv_cache.dtype == query.dtype
+            and query.stride(2) == 1
+            and query.stride(1) == layer.head_dim
+        )
+
+    def forward(
+        self,
+        layer: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        plan = metadata.plan
+        if not isinstance(plan, _NativeDecodePlan):
+            return super().forward(layer, query, key, value, kv_cache, metadata)
+        if not self._native_ok(layer, query, kv_cache) or key.stride(2) != 1:
+            metadata.plan = plan.torch_plan
+            try:
+                return super().forward(layer, query, key, value, kv_cache, metadata)
+            finally:
+                metadata.plan = plan
+        n = metadata.num_actual_tokens
+        self.ops.store_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        out = torch.empty(query.shape, dtype=query.dtype)
+        self.ops.paged_decode(
+            query,
+            out,
+            plan.token_idx,
+            plan.rows,
+            metadata.seq_lens,
+            metadata.block_table,
+            kv_cache,
+            layer.scale,
+            layer.sliding_window,
+            layer.logits_soft_cap,
+        )
+        return out

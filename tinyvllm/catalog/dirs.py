@@ -1,0 +1,63 @@
+"""Where tinyvllm keeps user files: the user catalog, downloaded packages, chat history.
+
+platformdirs is optional (the GPU image lacks it); without it the XDG locations are used.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+APP_NAME = "tinyvllm"
+
+
+def _xdg(env: str, default: str) -> Path:
+    return Path(os.environ.get(env) or Path.home() / default) / APP_NAME
+
+
+def user_config_dir() -> Path:
+    """Holds the user catalog `models.toml` (e.g. ~/.config/tinyvllm)."""
+    try:
+        import platformdirs
+    except ImportError:
+        return _xdg("XDG_CONFIG_HOME", ".config")
+    return Path(platformdirs.user_config_dir(APP_NAME))
+
+
+def user_cache_dir() -> Path:
+    """Holds models installed from PyPI packages (e.g. ~/.cache/tinyvllm)."""
+    try:
+        import platformdirs
+    except ImportError:
+        return _xdg("XDG_CACHE_HOME", ".cache")
+    return Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def user_data_dir() -> Path:
+    """Holds the chat REPL's input history (e.g. ~/.local/share/tinyvllm)."""
+    try:
+        import platformdirs
+    except ImportError:
+        return _xdg("XDG_DATA_HOME", ".local/share")
+    return Path(platformdirs.user_data_dir(APP_NAME))
+
+
+def user_catalog_path() -> Path:
+    return user_config_dir() / "models.toml"
+
+
+def packages_dir() -> Path:
+    """`pip install --target` destinations, one folder per package name."""
+    return user_cache_dir() / "packages"
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache, read from the environment at call time (huggingface_hub
+    reads it once at import), in huggingface_hub's order of precedence."""
+    for env in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(env):
+            return Path(os.environ[env]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "huggingface" / "hub"

@@ -1,0 +1,331 @@
+"""`tinyvllm chat`: a terminal REPL over ChatSession.
+
+On a terminal: line editing and history (stdlib readline), streamed answers, slash commands,
+Ctrl-C stops an answer (or clears the prompt line), Ctrl-D exits. With stdin not a terminal,
+every input line is one user turn (lines starting with "/" are commands); answers go to
+stdout, everything else to stderr, and the exit status is 0 at the end of input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from tinyvllm.chat.session import SETTABLE_PARAMS, ChatSession
+from tinyvllm.engine.streams import EngineDeadError, RequestError
+
+if TYPE_CHECKING:
+    from tinyvllm.engine.async_llm import AsyncLLM
+    from tinyvllm.engine.stats import EngineStats
+
+PROMPT = ">>> "
+HISTORY_FILE = "chat_history"
+HISTORY_LENGTH = 1000
+
+HELP = f"""commands:
+  /help              this text
+  /reset             forget the conversation (keeps the system prompt and settings)
+  /system [TEXT]     show or set the system prompt (empty TEXT: none)
+  /set [KEY=VALUE]   show settings or change one: {", ".join(SETTABLE_PARAMS)}
+  /stats             engine statistics (KV cache, throughput, latencies)
+  /save FILE         write the transcript (.md: Markdown, else JSON)
+  /load MODEL        switch model (catalog name, hub id, directory or .gguf), keep history
+  /exit              quit (also /quit, Ctrl-D)
+Ctrl-C stops an answer; at the prompt it clears the line."""
+
+# Loads a model spec; returns the engine and a label for messages.
+Loader = Callable[[str], "tuple[AsyncLLM, str]"]
+
+
+class Repl:
+    """Command handling and answer streaming, independent of where lines come from."""
+
+    def __init__(
+        self,
+        session: ChatSession,
+        *,
+        out: TextIO,
+        err: TextIO,
+        loader: Loader | None = None,
+        dim_summaries: bool = False,
+    ) -> None:
+        self.session = session
+        self.out, self.err = out, err
+        self.loader = loader
+        self.dim = dim_summaries
+        self.loop = asyncio.new_event_loop()
+
+    def close(self) -> None:
+        self.loop.close()
+
+    # ---- one line of input ------------------------------------------------------------------
+    def handle(self, line: str) -> bool:
+        """Run one input line (a message or a /command); False when the REPL should exit."""
+        text = line.strip()
+        if not text:
+            return True
+        if text.startswith("/"):
+            return self.command(text)
+        self.answer(text)
+        return True
+
+    def answer(self, text: str) -> None:
+        """Stream one answer to `out`; Ctrl-C (on the main thread) stops it."""
+        with self._sigint_stops_answer():
+            try:
+                self.loop.run_until_complete(self._stream(text))
+            except ValueError as exc:  # e.g. the message cannot fit the context
+                self._error(str(exc))
+                return
+            except RequestError as exc:  # this answer failed; the engine goes on
+                self._error(f"the answer failed: {exc}")
+                return
+        turn = self.session.last_turn
+        if turn is not None:
+            line = turn.line()
+            self.err.write(f"\x1b[2m{line}\x1b[0m\n" if self.dim else line + "\n")
+            self.err.flush()
+
+    async def _stream(self, text: str) -> None:
+        wrote = False
+        async for delta in self.session.send(text):
+            self.out.write(delta)
+            self.out.flush()
+            wrote = True
+        if wrote or self.session.last_turn is not None:
+            self.out.write("\n")
+            self.out.flush()
+
+    @contextlib.contextmanager
+    def _sigint_stops_answer(self) -> Any:
+        # Only the main thread may take signals; elsewhere (tests, embedding) skip it.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        try:
+            self.loop.add_signal_handler(signal.SIGINT, self.session.stop)
+        except (NotImplementedError, RuntimeError):  # no signal support on this loop
+            yield
+            return
+        try:
+            yield
+        finally:
+            self.loop.remove_signal_handler(signal.SIGINT)  # restores KeyboardInterrupt
+
+    # ---- slash commands ---------------------------------------------------------------------
+    def command(self, text: str) -> bool:
+        name, _, arg = text.partition(" ")
+        arg = arg.strip()
+        name = name.lower()
+        if name in ("/exit", "/quit"):
+            return False
+        handler = {
+            "/help": self._help,
+            "/reset": self._reset,
+            "/system": self._system,
+            "/set": self._set,
+            "/stats": self._stats,
+            "/save": self._save,
+            "/load": self._load,
+        }.get(name)
+        if handler is None:
+            self._error(f"unknown command {name}; /help lists the commands")
+        else:
+            handler(arg)
+        return True
+
+    def _help(self, arg: str) -> None:
+        self._info(HELP)
+
+    def _reset(self, arg: str) -> None:
+        self.session.reset()
+        self._info("conversation cleared")
+
+    def _system(self, arg: str) -> None:
+        if not arg:
+            self._info(f"system prompt: {self.session.system!r}")
+            return
+        self.session.system = None if arg.lower() in ("none", '""', "''") else arg
+        self._info("system prompt set" if self.session.system else "system prompt cleared")
+
+    def _set(self, arg: str) -> None:
+        if not arg:
+            self._info(", ".join(f"{k}={v}" for k, v in self.session.settings().items()))
+            return
+        if "=" not in arg:
+            self._error(
+                f"use /set KEY=VALUE, e.g. /set temperature=0.7; keys: {', '.join(SETTABLE_PARAMS)}"
+            )
+            return
+        try:
+            self.session.set_param(arg.replace(" ", ""))
+        except ValueError as exc:
+            self._error(str(exc))
+            return
+        key = arg.split("=", 1)[0].strip().replace("-", "_")
+        self._info(f"{key}={self.session.settings()[key]}")
+
+    def _stats(self, arg: str) -> None:
+        self._info(format_stats(self.session.llm.get_stats()))
+
+    def _save(self, arg: str) -> None:
+        if not arg:
+            self._error("use /save FILE (.md for Markdown, anything else JSON)")
+            return
+        try:
+            path = self.session.save(arg)
+        except OSError as exc:
+            self._error(f"cannot write {arg}: {exc.strerror or exc}")
+            return
+        self._info(f"saved {len(self.session.messages)} messages to {path}")
+
+    def _load(self, arg: str) -> None:
+        if self.loader is None:
+            self._error("/load is not available here")
+            return
+        if not arg:
+            self._error("use /load MODEL (a catalog name, hub id, directory or .gguf file)")
+            return
+        try:
+            llm, label = self.loader(arg)
+        except (ValueError, OSError) as exc:
+            self._error(str(exc))
+            return
+        old = self.session
+        session = ChatSession(llm, old.params, old.system, notice=self._info)
+        session.messages = old.messages
+        old.llm.shutdown()
+        self.session = session
+        self._info(f"now chatting with {label} (history kept)")
+
+    def _info(self, text: str) -> None:
+        self.err.write(text + "\n")
+        self.err.flush()
+
+    def _error(self, text: str) -> None:
+        self.err.write(f"error: {text}\n")
+        self.err.flush()
+
+
+def format_stats(s: EngineStats) -> str:
+    """A few lines summarising an EngineStats snapshot."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f} ms"
+
+    lines = [
+        f"KV cache: {s.kv_usage:.0%} used of {s.num_blocks} blocks x {s.block_size} tokens; "
+        f"prefix cache hit rate {s.prefix_hit_rate:.0%}",
+        f"throughput (last 10 s): prompt {s.prompt_throughput:.0f} tok/s, "
+        f"generation {s.generation_throughput:.1f} tok/s",
+        f"totals: {s.total_prompt_tokens} prompt + {s.total_generation_tokens} generated "
+        f"tokens, {s.num_finished_requests} requests, {s.num_steps} steps",
+        f"latency: TTFT p50 {ms(s.ttft.p50)} p90 {ms(s.ttft.p90)}; "
+        f"inter-token p50 {ms(s.itl.p50)} p90 {ms(s.itl.p90)}",
+    ]
+    if s.spec_drafted_tokens:
+        lines.append(
+            f"speculation: {s.spec_acceptance_rate:.0%} of {s.spec_drafted_tokens} drafts "
+            f"accepted, {s.spec_mean_accepted_length:.2f} tokens per verification"
+        )
+    return "\n".join(lines)
+
+
+# ---- the two front ends ---------------------------------------------------------------------
+def run_piped(repl: Repl, lines: Iterable[str]) -> int:
+    """Each line one user turn (or a /command); answers on stdout."""
+    for line in lines:
+        if not repl.handle(line):
+            break
+    return 0
+
+
+def run_interactive(repl: Repl, history: Path | None) -> int:
+    """Prompt with line editing until /exit or Ctrl-D."""
+    readline = _setup_readline(history)
+    try:
+        while True:
+            try:
+                line = input(PROMPT)
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: drop the line, ask again
+                repl.err.write("\n")
+                continue
+            except EOFError:  # Ctrl-D
+                repl.err.write("\n")
+                return 0
+            if not repl.handle(line):
+                return 0
+    finally:
+        if readline is not None and history is not None:
+            with contextlib.suppress(OSError):
+                history.parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(str(history))
+
+
+def _setup_readline(history: Path | None) -> Any:
+    try:
+        import readline
+    except ImportError:  # e.g. Windows: plain input() still works
+        return None
+    readline.set_history_length(HISTORY_LENGTH)
+    if history is not None and history.is_file():
+        with contextlib.suppress(OSError):
+            readline.read_history_file(str(history))
+    return readline
+
+
+def history_path() -> Path:
+    from tinyvllm.catalog.dirs import user_data_dir
+
+    return user_data_dir() / HISTORY_FILE
+
+
+def is_interactive(stdin: TextIO | None = None) -> bool:
+    stdin = stdin or sys.stdin
+    return bool(getattr(stdin, "isatty", lambda: False)())
+
+
+def run_chat(
+    loader: Loader,
+    spec: str,
+    *,
+    params: Any = None,
+    system: str | None = None,
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    history: Path | None = None,
+) -> int:
+    """Load `spec` with `loader`, then chat on the terminal or over the piped input."""
+    stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
+    interactive = is_interactive(stdin)
+    llm, label = loader(spec)
+    repl: Repl | None = None
+    try:
+        session = ChatSession(llm, params, system)
+        # Summaries in faint text on a terminal that shows it (https://no-color.org).
+        dim = interactive and err.isatty() and not os.environ.get("NO_COLOR")
+        dim = dim and os.environ.get("TERM") != "dumb"
+        repl = Repl(session, out=out, err=err, loader=loader, dim_summaries=dim)
+        session.notice = repl._info
+        if not interactive:
+            return run_piped(repl, stdin)
+        err.write(
+            f"chatting with {label}; /help for commands, Ctrl-C stops an answer, Ctrl-D exits\n"
+        )
+        err.flush()
+        return run_interactive(repl, history if history is not None else history_path())
+    except EngineDeadError as exc:
+        err.write(f"error: the engine stopped: {exc}\n")
+        return 1
+    finally:
+        (repl.session.llm if repl is not None else llm).shutdown()
+        if repl is not None:
+            repl.close()

@@ -1,0 +1,436 @@
+// Decode-step kernels for x86 CPUs with AVX2 + FMA, called through ctypes (no torch headers,
+// so the library compiles in about a second on first use).
+//
+// Decode on a CPU is bound by weight bytes and by per-op dispatch: these kernels read bf16 or
+// fp32 weights straight from the model's tensors, accumulate in fp32, and fold the small
+// element-wise steps around each matmul into one call. Where eager PyTorch rounds to bf16
+// between element-wise ops (residual add, rotary, SiLU * up, the norm's weight multiply), the
+// kernels round at the same points so both paths agree bit for bit outside the matmuls.
+//
+// dtype codes: 0 = float32, 1 = bfloat16.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 64);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+inline float load(const void* p, int64_t i, int dt) {
+  return dt ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline void store(void* p, int64_t i, float v, int dt) {
+  if (dt)
+    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+// Rounds to the storage dtype without storing (emulates an eager op's output rounding).
+inline float as_dtype(float v, int dt) { return dt ? round_bf16(v) : v; }
+
+inline __m256 load8(const uint16_t* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float wval(const uint16_t* w, int64_t i) { return bf16_to_f32(w[i]); }
+inline float wval(const float* w, int64_t i) { return w[i]; }
+
+// RB output rows x M input rows per inner step; RB * M accumulators stay in registers.
+template <typename W, int M, int RB>
+void gemv_rows(const W* w, const float* x, int64_t K, int64_t n0, int64_t n1, float* acc_out) {
+  for (int64_t n = n0; n < n1; n += RB) {
+    const int rb = static_cast<int>(n1 - n < RB ? n1 - n : RB);
+    __m256 acc[RB][M];
+    for (int r = 0; r < RB; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    if (rb == RB) {
+      for (; k + 8 <= K; k += 8) {
+        for (int r = 0; r < RB; ++r) {
+          __m256 wv = load8(w + (n + r) * K + k);
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[r][m]);
+        }
+      }
+    } else {
+      for (; k + 8 <= K; k += 8) {
+        for (int r = 0; r < rb; ++r) {
+          __m256 wv = load8(w + (n + r) * K + k);
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < rb; ++r) {
+      for (int m = 0; m < M; ++m) {
+        float s = hsum(acc[r][m]);
+        for (int64_t kk = k; kk < K; ++kk) s += wval(w, (n + r) * K + kk) * x[m * K + kk];
+        acc_out[(n + r) * M + m] = s;
+      }
+    }
+  }
+}
+
+template <typename W>
+void gemv_dispatch(const W* w, const float* x, int M, int64_t K, int64_t n0, int64_t n1,
+                   float* acc) {
+  switch (M) {
+    case 1: gemv_rows<W, 1, 4>(w, x, K, n0, n1, acc); break;
+    case 2: gemv_rows<W, 2, 4>(w, x, K, n0, n1, acc); break;
+    case 3: gemv_rows<W, 3, 3>(w, x, K, n0, n1, acc); break;
+    case 4: gemv_rows<W, 4, 2>(w, x, K, n0, n1, acc); break;
+    case 5: gemv_rows<W, 5, 2>(w, x, K, n0, n1, acc); break;
+    case 6: gemv_rows<W, 6, 2>(w, x, K, n0, n1, acc); break;
+    case 7: gemv_rows<W, 7, 1>(w, x, K, n0, n1, acc); break;
+    default: gemv_rows<W, 8, 1>(w, x, K, n0, n1, acc); break;
+  }
+}
+
+float* to_f32(const void* x, int64_t n, int dt) {
+  float* buf = static_cast<float*>(aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
+  for (int64_t i = 0; i < n; ++i) buf[i] = load(x, i, dt);
+  return buf;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tv_num_threads(void) { return omp_get_max_threads(); }
+
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for M <= 8 rows; x, out contiguous.
+void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bias, int b_dt,
+               void* out, int M, int64_t N, int64_t K, int nthreads) {
+  float* xf = to_f32(x, M * K, x_dt);
+  // Transposed accumulator [N, M] so each thread writes a contiguous range.
+  float* acc = static_cast<float*>(aligned_alloc(64, ((N * M * 4 + 63) / 64) * 64));
+  const int64_t chunk = 16;
+  const int64_t nchunks = (N + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+    if (w_dt)
+      gemv_dispatch(static_cast<const uint16_t*>(w), xf, M, K, n0, n1, acc);
+    else
+      gemv_dispatch(static_cast<const float*>(w), xf, M, K, n0, n1, acc);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float v = acc[n * M + m];
+      if (bias) v += load(bias, n, b_dt);
+      store(out, m * N + n, v, x_dt);
+    }
+  free(acc);
+  free(xf);
+}
+
+// RMSNorm over rows of width H, as eager: [residual = x + residual (rounded)];
+// y = weight * to_dtype(r * rsqrt(mean(r^2) + eps)), statistics in fp32.
+void tv_rms_norm(const void* x, void* residual, const void* weight, void* out, int dt,
+                 int64_t T, int64_t H, float eps) {
+  float* row = static_cast<float*>(malloc(H * 4));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      float v = load(x, t * H + h, dt);
+      if (residual) {
+        v = as_dtype(v + load(residual, t * H + h, dt), dt);
+        store(residual, t * H + h, v, dt);
+      }
+      row[h] = v;
+    }
+    double ss = 0.0;
+    for (int64_t h = 0; h < H; ++h) ss += static_cast<double>(row[h]) * row[h];
+    const float inv = 1.0f / sqrtf(static_cast<float>(ss / H) + eps);
+    for (int64_t h = 0; h < H; ++h) {
+      float normed = as_dtype(row[h] * inv, dt);
+      store(out, t * H + h, load(weight, h, dt) * normed, dt);
+    }
+  }
+  free(row);
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, D + i], rounding after the silu as eager does.
+void tv_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < D; ++i) {
+      float g = load(x, t * 2 * D + i, dt);
+      float u = load(x, t * 2 * D + D + i, dt);
+      float s = as_dtype(g / (1.0f + expf(-g)), dt);
+      store(out, t * D + i, s * u, dt);
+    }
+}
+
+// In-place neox rotary on the first `rot` dims of every head of q and k (rows of stride
+// q_stride / k_stride elements). cos/sin: fp32 [max_pos, rot], rounded to the dtype first
+// and every product rounded, exactly as the eager rotation computes in bf16.
+void tv_rope(void* q, int64_t q_stride, int64_t hq, void* k, int64_t k_stride, int64_t hkv,
+             int dt, int64_t T, int64_t head_dim, int64_t rot, const int64_t* positions,
+             const float* cos_c, const float* sin_c) {
+  const int64_t half = rot / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos_c + positions[t] * rot;  // rows hold [freqs | freqs]
+    const float* s = sin_c + positions[t] * rot;
+    for (int which = 0; which < 2; ++which) {
+      void* base = which ? k : q;
+      const int64_t heads = which ? hkv : hq, stride = which ? k_stride : q_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t o = t * stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          float x1 = load(base, o + i, dt), x2 = load(base, o + half + i, dt);
+          float ci = as_dtype(c[i], dt), si = as_dtype(s[i], dt);
+          float a1 = as_dtype(x1 * ci, dt), b1 = as_dtype(-x2 * si, dt);
+          float a2 = as_dtype(x2 * ci, dt), b2 = as_dtype(x1 * si, dt);
+          store(base, o + i, a1 + b1, dt);
+          store(base, o + half + i, a2 + b2, dt);
+        }
+      }
+    }
+  }
+}
+
+// K and V rows ([T, width] with row strides) into the paged cache at slots (< 0 skipped).
+void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, int64_t T,
+                 int64_t width, int elem, void* k_cache, void* v_cache, const int64_t* slots) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    memcpy(static_cast<char*>(k_cache) + slot * width * elem,
+           static_cast<const char*>(k) + t * k_stride * elem, width * elem);
+    memcpy(static_cast<char*>(v_cache) + slot * width * elem,
+           static_cast<const char*>(v) + t * v_stride * elem, width * elem);
+  }
+}
+
+// Decode attention straight from the paged cache (no gather): query token tok[i] of request
+// row[i] attends over its seq_lens[row] cached positions; q rows are q_stride elements apart
+// (views into the fused qkv output), out is contiguous [T, hq, head_dim]. kv layout per layer:
+// [2][num_blocks][block_size][hkv][head_dim]. Scores and softmax in fp32.
+void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
+                     const int64_t* tok,
+                     const int64_t* row, const int32_t* seq_lens, const int32_t* block_table,
+                     int64_t bt_stride, const void* kv, int64_t num_blocks, int64_t block_size,
+                     int64_t hq, int64_t hkv, int64_t head_dim, float scale, int64_t window,
+                     float softcap, int nthreads) {
+  const int64_t group = hq / hkv;
+  const int64_t cache_half = num_blocks * block_size * hkv * head_dim;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic) collapse(2)
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      const int64_t L = seq_lens[row[i]];
+      const int32_t* blocks = block_table + row[i] * bt_stride;
+      const int64_t qpos = L - 1;
+      const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
+      float* scores = static_cast<float*>(malloc((L + 1) * group * 4 + head_dim * group * 8));
+      float* qf = scores + (L + 1) * group;
+      float* acc = qf + head_dim * group;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          qf[g * head_dim + d] = load(q, tok[i] * q_stride + (kh * group + g) * head_dim + d, dt);
+      float mx[64];
+      for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
+      for (int64_t p = first; p < L; ++p) {
+        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
+                             p % block_size;
+        const int64_t off = (slot * hkv + kh) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf + g * head_dim;
+          __m256 a = _mm256_setzero_ps();
+          int64_t d = 0;
+          if (dt) {
+            const uint16_t* kp = static_cast<const uint16_t*>(kv) + off;
+            for (; d + 8 <= head_dim; d += 8)
+              a = _mm256_fmadd_ps(load8(kp + d), _mm256_loadu_ps(qg + d), a);
+          } else {
+            const float* kp = static_cast<const float*>(kv) + off;
+            for (; d + 8 <= head_dim; d += 8)
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(kp + d), _mm256_loadu_ps(qg + d), a);
+          }
+          float sc = hsum(a);
+          for (; d < head_dim; ++d) sc += load(kv, off + d, dt) * qg[d];
+          sc *= scale;
+          if (softcap > 0.0f) sc = tanhf(sc / softcap) * softcap;
+          scores[g * (L + 1) + p] = sc;
+          if (sc > mx[g]) mx[g] = sc;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores + g * (L + 1);
+        float sum = 0.0f;
+        for (int64_t p = first; p < L; ++p) {
+          sg[p] = expf(sg[p] - mx[g]);
+          sum += sg[p];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t p = first; p < L; ++p) sg[p] *= inv;
+      }
+      for (int64_t x = 0; x < group * head_dim; ++x) acc[x] = 0.0f;
+      for (int64_t p = first; p < L; ++p) {
+        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
+                             p % block_size;
+        const int64_t off = cache_half + (slot * hkv + kh) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const __m256 pw = _mm256_set1_ps(scores[g * (L + 1) + p]);
+          float* ag = acc + g * head_dim;
+          int64_t d = 0;
+          if (dt) {
+            const uint16_t* vp = static_cast<const uint16_t*>(kv) + off;
+            for (; d + 8 <= head_dim; d += 8)
+              _mm256_storeu_ps(ag + d, _mm256_fmadd_ps(load8(vp + d), pw, _mm256_loadu_ps(ag + d)));
+          } else {
+            const float* vp = static_cast<const float*>(kv) + off;
+            for (; d + 8 <= head_dim; d += 8)
+              _mm256_storeu_ps(ag + d,
+                               _mm256_fmadd_ps(_mm256_loadu_ps(vp + d), pw, _mm256_loadu_ps(ag + d)));
+          }
+          for (; d < head_dim; ++d) ag[d] += scores[g * (L + 1) + p] * load(kv, off + d, dt);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          store(out, (tok[i] * hq + kh * group + g) * head_dim + d, acc[g * head_dim + d], dt);
+      free(scores);
+    }
+  }
+}
+
+}  // extern "C"
+
+// ---- one whole decode step of a Llama-family model --------------------------------------
+// The CPU counterpart of a captured CUDA graph: the runner hands over pointers to every weight
+// and KV tensor once, and each decode step is then a single call (no per-op dispatch). Each
+// stage calls the same kernels the per-layer path uses, so both give identical bits.
+
+extern "C" {
+
+struct TvLayer {
+  const void* in_norm;
+  const void* post_norm;
+  const void* qkv_w;
+  const void* qkv_b;
+  const void* o_w;
+  const void* o_b;
+  const void* gate_up_w;
+  const void* gate_up_b;
+  const void* down_w;
+  const void* down_b;
+  const void* q_norm;  // per-head norms (Qwen3), may be null
+  const void* k_norm;
+  void* kv_cache;  // [2][num_blocks][block_size][hkv][head_dim]
+  int64_t window;  // sliding window, 0 = full attention
+};
+
+struct TvModel {
+  int dt;  // activation, weight and cache dtype
+  int nthreads;
+  int64_t num_layers, hidden, hq, hkv, head_dim, rot, inter, num_blocks, block_size;
+  float eps, scale;
+  const void* embed;  // [vocab][hidden]
+  const void* final_norm;
+  const float* cos_c;
+  const float* sin_c;
+  const TvLayer* layers;
+};
+
+// In-place RMSNorm of every head of strided rows (Qwen3's per-head q/k norms).
+void tv_head_norm(void* x, int64_t stride, int64_t heads, int64_t d, const void* w, int dt,
+                  int64_t T, float eps) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t o = t * stride + h * d;
+      double ss = 0.0;
+      for (int64_t i = 0; i < d; ++i) {
+        float v = load(x, o + i, dt);
+        ss += static_cast<double>(v) * v;
+      }
+      const float inv = 1.0f / sqrtf(static_cast<float>(ss / d) + eps);
+      for (int64_t i = 0; i < d; ++i)
+        store(x, o + i, load(w, i, dt) * as_dtype(load(x, o + i, dt) * inv, dt), dt);
+    }
+}
+
+// hidden_out [B][hidden] receives the final normed hidden states.
+void tv_llama_decode(const TvModel* m, int64_t B, const int64_t* input_ids,
+                     const int64_t* positions, const int64_t* slots, const int32_t* seq_lens,
+                     const int32_t* block_table, int64_t bt_stride, void* hidden_out) {
+  const int dt = m->dt, nt = m->nthreads;
+  const int64_t elem = dt ? 2 : 4, H = m->hidden, D = m->head_dim;
+  const int64_t qs = m->hq * D, kvs = m->hkv * D, W = qs + 2 * kvs;
+  char* buf = static_cast<char*>(malloc(elem * B * (3 * H + W + qs + 3 * m->inter) + 64));
+  void* hidden = buf;
+  void* residual = buf + elem * B * H;
+  void* normed = buf + elem * B * 2 * H;
+  void* qkv = buf + elem * B * 3 * H;
+  void* attn = static_cast<char*>(qkv) + elem * B * W;
+  void* gate_up = static_cast<char*>(attn) + elem * B * qs;
+  void* act = static_cast<char*>(gate_up) + elem * B * 2 * m->inter;
+  int64_t* tok = static_cast<int64_t*>(malloc(sizeof(int64_t) * B));
+  for (int64_t b = 0; b < B; ++b) {
+    tok[b] = b;
+    memcpy(static_cast<char*>(residual) + b * H * elem,
+           static_cast<const char*>(m->embed) + input_ids[b] * H * elem, H * elem);
+  }
+  for (int64_t l = 0; l < m->num_layers; ++l) {
+    const TvLayer& L = m->layers[l];
+    // The first layer's residual is the embedding itself: normalise without the add.
+    if (l == 0)
+      tv_rms_norm(residual, nullptr, L.in_norm, normed, dt, B, H, m->eps);
+    else
+      tv_rms_norm(hidden, residual, L.in_norm, normed, dt, B, H, m->eps);
+    tv_linear(normed, dt, L.qkv_w, dt, L.qkv_b, dt, qkv, B, W, H, nt);
+    char* q = static_cast<char*>(qkv);
+    char* k = q + qs * elem;
+    char* v = k + kvs * elem;
+    if (L.q_norm) tv_head_norm(q, W, m->hq, D, L.q_norm, dt, B, m->eps);
+    if (L.k_norm) tv_head_norm(k, W, m->hkv, D, L.k_norm, dt, B, m->eps);
+    tv_rope(q, W, m->hq, k, W, m->hkv, dt, B, D, m->rot, positions, m->cos_c, m->sin_c);
+    char* cache = static_cast<char*>(L.kv_cache);
+    const int64_t half = m->num_blocks * m->block_size * kvs * elem;
+    tv_store_kv(k, W, v, W, B, kvs, static_cast<int>(elem), cache, cache + half, slots);
+    tv_paged_decode(q, W, attn, dt, B, tok, tok, seq_lens, block_table, bt_stride, cache,
+                    m->num_blocks, m->block_size, m->hq, m->hkv, D, m->scale, L.window, 0.0f,
+                    nt);
+    tv_linear(attn, dt, L.o_w, dt, L.o_b, dt, hidden, B, H, qs, nt);
+    tv_rms_norm(hidden, residual, L.post_norm, normed, dt, B, H, m->eps);
+    tv_linear(normed, dt, L.gate_up_w, dt, L.gate_up_b, dt, gate_up, B, 2 * m->inter, H, nt);
+    tv_silu_mul(gate_up, act, dt, B, m->inter);
+    tv_linear(act, dt, L.down_w, dt, L.down_b, dt, hidden, B, H, m->inter, nt);
+  }
+  tv_rms_norm(hidden, residual, m->final_norm, hidden_out, dt, B, H, m->eps);
+  free(tok);
+  free(buf);
+}
+
+}  // extern "C"

@@ -1,0 +1,195 @@
+"""Typed Python faces of the native CPU kernels (see cpu_kernels.cpp).
+
+Each method takes and returns torch tensors and checks only what the kernels assume
+(dtype, contiguity, small row counts); callers decide when the native path applies with
+`NativeCpuOps.can_linear` and friends and otherwise run their PyTorch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+import torch
+
+from tinyvllm.native.build import load_library
+
+# Input rows up to which the native GEMV reads the low-precision weight; beyond it the
+# batched fp32 / MKL GEMMs win (compute-bound, weights reused across rows).
+MAX_LINEAR_ROWS = 8
+# The element-wise kernels run on one thread: past a few dozen rows torch's vectorised,
+# multi-threaded ops are faster, and the dispatch overhead they save no longer matters.
+MAX_ELEMENTWISE_ROWS = 64
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def dtype_code(dtype: torch.dtype) -> int | None:
+    return _DTYPE_CODES.get(dtype)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeCpuOps:
+    """The loaded kernel library plus the thread count it runs with."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
+        self.lib = lib
+        self.num_threads = num_threads
+        lib.tv_linear.argtypes = [
+            c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_void_p,
+            c_int, c_int64, c_int64, c_int,
+        ]  # fmt: skip
+        lib.tv_rms_norm.argtypes = [
+            c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int64, c_int64, c_float,
+        ]  # fmt: skip
+        lib.tv_silu_mul.argtypes = [c_void_p, c_void_p, c_int, c_int64, c_int64]
+        lib.tv_head_norm.argtypes = [
+            c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int, c_int64, c_float,
+        ]  # fmt: skip
+        lib.tv_rope.argtypes = [
+            c_void_p, c_int64, c_int64, c_void_p, c_int64, c_int64, c_int, c_int64,
+            c_int64, c_int64, c_void_p, c_void_p, c_void_p,
+        ]  # fmt: skip
+        lib.tv_store_kv.argtypes = [
+            c_void_p, c_int64, c_void_p, c_int64, c_int64, c_int64, c_int,
+            c_void_p, c_void_p, c_void_p,
+        ]  # fmt: skip
+        lib.tv_paged_decode.argtypes = [
+            c_void_p, c_int64, c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
+            c_int64, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float,
+            c_int64, c_float, c_int,
+        ]  # fmt: skip
+        for fn in ("tv_linear", "tv_rms_norm", "tv_silu_mul", "tv_head_norm", "tv_rope",
+                   "tv_store_kv"):  # fmt: skip
+            getattr(lib, fn).restype = None
+        lib.tv_paged_decode.restype = None
+
+    @classmethod
+    def load(cls, num_threads: int | None = None) -> NativeCpuOps | None:
+        lib = load_library()
+        if lib is None:
+            return None
+        return cls(lib, num_threads or torch.get_num_threads())
+
+    # ---- matmul ---------------------------------------------------------------------------
+    @staticmethod
+    def can_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (
+            x.dim() == 2
+            and x.shape[0] <= MAX_LINEAR_ROWS
+            and x.dtype in _DTYPE_CODES
+            and weight.dtype in _DTYPE_CODES
+            and x.is_contiguous()
+            and weight.is_contiguous()
+        )
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        m, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype)
+        self.lib.tv_linear(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], weight.data_ptr(), _DTYPE_CODES[weight.dtype],
+            _ptr(bias), 0 if bias is None else _DTYPE_CODES[bias.dtype], out.data_ptr(),
+            m, n, k, self.num_threads,
+        )  # fmt: skip
+        return out
+
+    # ---- element-wise ---------------------------------------------------------------------
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """Normalised x (after `residual += x` in place when a residual is given)."""
+        t, h = x.shape
+        out = torch.empty_like(x)
+        self.lib.tv_rms_norm(
+            x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+            _DTYPE_CODES[x.dtype], t, h, eps,
+        )  # fmt: skip
+        return out
+
+    def head_norm_(self, x: torch.Tensor, head_dim: int, weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm each head of x [T, heads * head_dim] in place (rows may be strided)."""
+        self.lib.tv_head_norm(
+            x.data_ptr(), x.stride(0), x.shape[1] // head_dim, head_dim, weight.data_ptr(),
+            _DTYPE_CODES[x.dtype], x.shape[0], eps,
+        )  # fmt: skip
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        t, d2 = x.shape
+        out = torch.empty((t, d2 // 2), dtype=x.dtype)
+        self.lib.tv_silu_mul(x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], t, d2 // 2)
+        return out
+
+    def rope_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        head_dim: int,
+        rotary_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Rotate q [T, Hq * D] and k [T, Hkv * D] in place (rows may be strided views)."""
+        self.lib.tv_rope(
+            q.data_ptr(), q.stride(0), q.shape[1] // head_dim, k.data_ptr(), k.stride(0),
+            k.shape[1] // head_dim, _DTYPE_CODES[q.dtype], q.shape[0], head_dim, rotary_dim,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        )  # fmt: skip
+
+    # ---- paged KV -------------------------------------------------------------------------
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """key/value [T, Hkv, D] (row-strided views allowed) -> kv_cache at slots."""
+        t, hkv, d = key.shape
+        self.lib.tv_store_kv(
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), t, hkv * d,
+            key.element_size(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            slots.data_ptr(),
+        )  # fmt: skip
+
+    def paged_decode(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        token_idx: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+    ) -> None:
+        """out[token_idx] = attention of query[token_idx] over each row's cached context.
+
+        query [T, Hq, D] with contiguous heads (token rows may be strided); out contiguous.
+        """
+        _, num_blocks, block_size, hkv, d = kv_cache.shape
+        self.lib.tv_paged_decode(
+            query.data_ptr(), query.stride(0), out.data_ptr(), _DTYPE_CODES[query.dtype],
+            token_idx.shape[0], token_idx.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), kv_cache.data_ptr(), num_blocks,
+            block_size, query.shape[1], hkv, d, scale, sliding_window or 0, soft_cap or 0.0,
+            self.num_threads,
+        )  # fmt: skip
+
+
+def attach_native_ops(model: torch.nn.Module, ops: NativeCpuOps | None) -> int:
+    """Hand `ops` to every layer that has a native path (its class declares `native`);
+    None detaches. Returns the number of layers touched."""
+    count = 0
+    for module in model.modules():
+        if any("native" in vars(cls) for cls in type(module).mro()):
+            module.native = ops
+            count += 1
+    return count
