@@ -179,3 +179,29 @@ def test_quantized_execution_stays_close_to_transformers(llm: LLM, hf: Any) -> N
     print(f"quantized vs HF fp32: top-1 agreement {agreement:.3f}, mean |dlogprob| {mean_diff:.3f}")
     assert agreement >= 0.9, agreement
     assert mean_diff < 0.15, mean_diff
+
+
+def test_cached_tokenizer_equals_the_rebuilt_one(
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up reloads the tokenizer saved after the first (slow) GGUF conversion."""
+    from tinyvllm.gguf.config import load_gguf_tokenizer, tokenizer_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rebuilt = load_gguf_tokenizer(path)  # builds and saves
+    assert (tokenizer_cache_dir(path.resolve()) / "tokenizer_config.json").is_file()
+    cached = load_gguf_tokenizer(path)
+    texts = ["Hello world! ünïcödé  x", "<|im_start|>user\nhi<|im_end|>", "def f(x):\n\treturn 2"]
+    assert [cached.encode(t) for t in texts] == [rebuilt.encode(t) for t in texts]
+    assert cached.all_special_ids == rebuilt.all_special_ids
+    assert cached.bos_token_id == rebuilt.bos_token_id
+    assert cached.eos_token_id == rebuilt.eos_token_id
+    messages = [{"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == rebuilt.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = list(range(100, 400))
+    assert cached.decode(ids) == rebuilt.decode(ids)
+    # A damaged entry is rebuilt, not fatal.
+    (tokenizer_cache_dir(path.resolve()) / "tokenizer.json").write_text("{broken")
+    assert load_gguf_tokenizer(path).encode(texts[0]) == rebuilt.encode(texts[0])

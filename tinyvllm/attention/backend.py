@@ -8,6 +8,7 @@ layer owns one tensor of shape `kv_cache_shape(...)`, and a token's K/V goes to
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,12 +40,18 @@ class AttentionMetadata:
     block_size: int
     # Backend-private plan, built once per step by `AttentionBackend.plan`.
     plan: Any = field(default=None)
+    # [num_reqs, 2] int32 absolute positions [start, end) per request (start == end: none):
+    # a query and a key both inside the span see each other regardless of order (multimodal
+    # prefix spans), still limited to keys < seq_len. The runner schedules a span in one chunk.
+    bidirectional_ranges: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
     """Stores new K/V into the paged cache and attends over cached context."""
 
     name: str = "abstract"
+    # Whether `forward` may be captured in a CUDA graph: no host reads of per-step values.
+    cuda_graph_safe: bool = False
 
     @staticmethod
     def kv_cache_shape(
@@ -68,22 +75,51 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Write `key`/`value` ([T, Hkv, D]) into `kv_cache` at `metadata.slot_mapping`,
-        then attend `query` ([T, Hq, D]) causally over each request's full context.
+        then attend `query` ([T, Hq, D]) causally over each request's full context (plus
+        `metadata.bidirectional_ranges`, when given).
 
         Returns [T, Hq, D].
         """
 
 
-def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """Pick the backend for a device; `name` overrides the automatic choice."""
-    from tinyvllm.attention.torch_attn import TorchAttentionBackend
+BACKENDS = ("torch", "triton")
 
-    available: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+def _triton_problem(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on `device`, or None when they can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # Triton's CPU interpreter: slow, for tests
+    return (
+        f"its Triton kernels need a CUDA device, not {device.type} "
+        "(TRITON_INTERPRET=1 runs them in Triton's slow CPU interpreter)"
+    )
+
+
+def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
+    """Pick the backend for a device; `name` ("torch" | "triton") overrides the choice.
+
+    CUDA devices default to "triton" when triton imports, everything else to "torch".
+    """
     if name is None:
-        name = "torch"
-    if name not in available:
-        raise ValueError(
-            f"attention_backend={name!r} is not available on {device.type}; "
-            f"choose one of {sorted(available)}"
-        )
-    return available[name]()
+        name = "triton" if device.type == "cuda" and _triton_problem(device) is None else "torch"
+    if name == "torch":
+        from tinyvllm.attention.torch_attn import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        problem = _triton_problem(device)
+        if problem is not None:
+            raise ValueError(
+                f"attention_backend='triton' cannot run on {device.type}: {problem}; "
+                "use attention_backend='torch' (or leave it unset)"
+            )
+        from tinyvllm.attention.triton_attn import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention_backend={name!r}; choose one of {list(BACKENDS)}")

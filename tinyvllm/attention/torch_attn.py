@@ -23,6 +23,8 @@ class _PrefillSpan:
     end: int
     context_len: int  # tokens already in the cache before this chunk
     block_ids: torch.Tensor  # blocks covering the whole context incl. this chunk
+    # Bidirectional span [start, end) when it lets some query of this chunk see a later key.
+    bidirectional: tuple[int, int] | None = None
 
 
 @dataclass
@@ -70,19 +72,31 @@ class TorchAttentionBackend(AttentionBackend):
         qsl = metadata.query_start_loc_cpu
         seq_lens = metadata.seq_lens_cpu
         bs = metadata.block_size
+        ranges = (
+            metadata.bidirectional_ranges.tolist()
+            if metadata.bidirectional_ranges is not None
+            else None
+        )
         decode_rows: list[int] = []
         prefills: list[_PrefillSpan] = []
         for i in range(metadata.num_reqs):
             q_len = qsl[i + 1] - qsl[i]
+            # A decode query sits at seq_len - 1 and sees no key past itself: spans never
+            # change decode attention.
             if q_len == 1:
                 decode_rows.append(i)
             elif q_len > 1:
                 nb = -(-seq_lens[i] // bs)
-                prefills.append(
-                    _PrefillSpan(
-                        qsl[i], qsl[i + 1], seq_lens[i] - q_len, metadata.block_table[i, :nb].long()
-                    )
+                context_len = seq_lens[i] - q_len
+                span = _PrefillSpan(
+                    qsl[i], qsl[i + 1], context_len, metadata.block_table[i, :nb].long()
                 )
+                if ranges is not None:
+                    start, end = ranges[i]
+                    # Some query in the span must have a later key in the span and context.
+                    if max(start, context_len) < min(end, seq_lens[i]) - 1:
+                        span.bidirectional = (start, end)
+                prefills.append(span)
         decode_rows.sort(key=lambda i: seq_lens[i])
         groups: list[_DecodeGroup] = []
         members: list[int] = []
@@ -162,7 +176,12 @@ class TorchAttentionBackend(AttentionBackend):
             kv_len = span.context_len + q_len
             k = kv_cache[0][span.block_ids].flatten(0, 1)[:kv_len].transpose(0, 1).to(q.dtype)
             v = kv_cache[1][span.block_ids].flatten(0, 1)[:kv_len].transpose(0, 1).to(q.dtype)
-        if span.context_len == 0 and layer.sliding_window is None and not layer.logits_soft_cap:
+        if (
+            span.context_len == 0
+            and layer.sliding_window is None
+            and not layer.logits_soft_cap
+            and span.bidirectional is None
+        ):
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True
             )
@@ -173,6 +192,11 @@ class TorchAttentionBackend(AttentionBackend):
             mask = diff >= 0
             if layer.sliding_window is not None:
                 mask &= diff < layer.sliding_window
+            if span.bidirectional is not None:
+                start, end = span.bidirectional
+                q_in = (q_pos >= start) & (q_pos < end)
+                k_in = (k_pos >= start) & (k_pos < end)
+                mask |= q_in.unsqueeze(1) & k_in.unsqueeze(0)
             if layer.logits_soft_cap:
                 bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
                 bias.masked_fill_(~mask, float("-inf"))

@@ -3,7 +3,12 @@ tokenizer (which transformers rebuilds from the vocabulary stored in the file)."
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -12,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from tinyvllm.gguf.reader import GGUFFile, read_gguf
+
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> (transformers model_type, our architecture name). Mistral
 # checkpoints are converted as "llama" and load as Llama (as llama.cpp runs them).
@@ -181,13 +188,35 @@ def load_gguf_config(path: str | Path) -> Any:
     return gguf_to_hf_config(read_gguf(path))
 
 
-def load_gguf_tokenizer(path: str | Path) -> Any:
+def tokenizer_cache_dir(path: Path) -> Path:
+    """Where the tokenizer rebuilt from `path` is saved: keyed by the file's identity and the
+    transformers version that converted it."""
+    import transformers
+
+    from tinyvllm.catalog.dirs import user_cache_dir
+
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return user_cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def load_gguf_tokenizer(path: str | Path, use_cache: bool = True) -> Any:
     """The tokenizer transformers rebuilds from the GGUF vocabulary, merges, special
-    token ids and chat template."""
+    token ids and chat template.
+
+    Rebuilding takes seconds (transformers parses the whole file and converts the vocabulary),
+    so the result is saved once as a regular tokenizer directory and reloaded from there.
+    """
     from transformers import AutoTokenizer
 
     path = Path(path).expanduser().resolve()
     check_architecture(read_gguf(path))
+    cached = tokenizer_cache_dir(path) if use_cache else None
+    if cached is not None and (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as exc:  # a damaged cache entry is rebuilt, never fatal
+            logger.warning("ignoring cached tokenizer %s: %s", cached, exc)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
@@ -195,4 +224,17 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
             f"cannot build a tokenizer from GGUF file {str(path)!r}: {exc}; pass "
             "tokenizer=<HF model directory or hub id> to use another one"
         ) from exc
+    if cached is not None:
+        _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+def _save_atomically(tokenizer: Any, target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent))
+        tokenizer.save_pretrained(str(tmp))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except OSError as exc:  # read-only home, full disk: just rebuild next time
+        logger.info("could not cache the GGUF tokenizer in %s: %s", target, exc)

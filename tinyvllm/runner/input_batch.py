@@ -37,7 +37,13 @@ def prepare_inputs(
     num_scheduled_tokens: list[int],
     block_size: int,
     device: torch.device,
+    device_side: bool | None = None,
 ) -> InputBatch:
+    """Flatten one step's requests. With `device_side` (default: on GPUs) the per-token
+    positions and slot mapping are computed on the device from per-request values, so only
+    O(requests) data crosses the bus besides the input ids."""
+    if device_side is None:
+        device_side = device.type == "cuda"
     num_reqs = len(req_ids)
     rows = torch.tensor([states.req_id_to_row[r] for r in req_ids], dtype=torch.int64)
     num_sched = torch.tensor(num_scheduled_tokens, dtype=torch.int64)
@@ -50,14 +56,22 @@ def prepare_inputs(
     computed = states.num_computed_tokens[rows]
     positions = computed[req_of_token] + torch.arange(num_tokens) - query_start_loc[req_of_token]
     input_ids = states.token_ids[row_of_token, positions]
-    block_ids = states.block_table[row_of_token, positions // block_size].to(torch.int64)
-    slot_mapping = block_ids * block_size + positions % block_size
 
     seq_lens = computed + num_sched
     seq_lens_cpu = seq_lens.tolist()
     max_seq_len = max(seq_lens_cpu)
     max_blocks = -(-max_seq_len // block_size)
     block_table = states.block_table[rows, :max_blocks]
+    if device_side:
+        block_table_dev = block_table.to(device, non_blocking=True)
+        positions_dev, slot_mapping = _device_positions_and_slots(
+            computed, num_sched, query_start_loc, block_table_dev, num_tokens, block_size, device
+        )
+    else:
+        block_table_dev = block_table
+        block_ids = states.block_table[row_of_token, positions // block_size].to(torch.int64)
+        slot_mapping = block_ids * block_size + positions % block_size
+        positions_dev = positions
 
     samples = seq_lens >= states.num_tokens[rows]
     sample_idx = torch.nonzero(samples).flatten()
@@ -68,7 +82,7 @@ def prepare_inputs(
         num_actual_tokens=num_tokens,
         query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
         seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-        block_table=block_table.to(device),
+        block_table=block_table_dev.to(device),
         slot_mapping=slot_mapping.to(device),
         max_query_len=int(num_sched.max()),
         max_seq_len=max_seq_len,
@@ -81,8 +95,32 @@ def prepare_inputs(
         rows=rows,
         num_scheduled=num_sched,
         input_ids=input_ids.to(device),
-        positions=positions.to(device),
+        positions=positions_dev.to(device),
         attn_metadata=metadata,
         sample_idx=sample_idx,
         logits_indices=logits_indices.to(device),
     )
+
+
+def _device_positions_and_slots(
+    computed: torch.Tensor,
+    num_sched: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token positions and KV slots from per-request values, computed where they are used.
+
+    `block_table` is already on `device` (the attention kernels need it anyway)."""
+    num_reqs = computed.shape[0]
+    computed = computed.to(device, non_blocking=True)
+    qsl = query_start_loc.to(device, non_blocking=True)
+    counts = num_sched.to(device, non_blocking=True)
+    req = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), counts, output_size=num_tokens
+    )
+    positions = computed[req] + torch.arange(num_tokens, device=device) - qsl[req]
+    block_ids = block_table[req, positions // block_size].to(torch.int64)
+    return positions, block_ids * block_size + positions % block_size

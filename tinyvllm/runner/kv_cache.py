@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 from collections.abc import Callable
 
@@ -96,6 +98,21 @@ def determine_num_blocks(
     return num_blocks, max_model_len
 
 
+def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages the OS maps on first write.
+
+    torch.zeros writes every byte up front: for a 4 GiB CPU KV cache that is seconds of
+    start-up and 4 GiB resident before the first request. Anonymous mmap memory reads as
+    zeros and only the blocks actually used become resident.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    # frombuffer keeps `buf` alive for as long as the tensor (or a view of it) lives.
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
 def allocate_kv_caches(
     layers: list[Attention],
     backend: AttentionBackend,
@@ -107,7 +124,10 @@ def allocate_kv_caches(
     caches = []
     for layer in layers:
         shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        cache = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cpu":
+            cache = lazily_zeroed_cpu_tensor(shape, dtype)
+        else:
+            cache = torch.zeros(shape, dtype=dtype, device=device)
         layer.kv_cache = cache
         layer.backend = backend
         caches.append(cache)

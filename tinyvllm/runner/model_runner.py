@@ -17,6 +17,12 @@ from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.loader import load_model, module_bytes
 from tinyvllm.native import NativeCpuOps, attach_native_ops
+from tinyvllm.runner.cuda_graphs import (
+    CudaGraphDispatcher,
+    CudaGraphRunner,
+    GraphInputBuffers,
+    cuda_graph_batch_sizes,
+)
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
@@ -84,6 +90,9 @@ class ModelRunner:
         if self.native is not None and build_program is not None:
             self.decode_program = build_program(self.native)
         max_blocks_per_req = -(-mc.max_model_len // self.block_size)
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if device.type == "cuda" and not config.device.enforce_eager:
+            self.cuda_graphs = self._capture_cuda_graphs(max_blocks_per_req)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
             config.scheduler.max_num_seqs, mc.max_model_len + 1, max_blocks_per_req, mc.vocab_size
@@ -171,6 +180,11 @@ class ModelRunner:
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         md = batch.attn_metadata
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            desc = graphs.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.max_query_len)
+            if desc is not None:
+                return graphs.run(desc, batch.input_ids, batch.positions, md)
         program = self.decode_program
         if program is not None and program.supports(md.num_reqs, md.num_actual_tokens):
             if self.draft is not None:  # the draft model runs its layers on this plan
@@ -206,6 +220,29 @@ class ModelRunner:
                 entries = result.logprobs[j]
                 logprobs[i] = None if entries[0] is None else entries
         return sampled, logprobs, spec_counts
+
+    def _capture_cuda_graphs(self, max_blocks_per_req: int) -> CudaGraphRunner | None:
+        """Full-model graphs for uniform decode (and K + 1 verify) batches; only with a
+        backend whose forward is graph-safe (no host reads of per-step values)."""
+        if not getattr(self.backend, "cuda_graph_safe", False):
+            logger.info("CUDA graphs off: the %s attention backend is eager-only", self.backend)
+            return None
+        sched = self.config.scheduler
+        sizes = cuda_graph_batch_sizes(sched.max_num_seqs)
+        dispatcher = CudaGraphDispatcher(sizes)
+        if self.config.speculative is not None:
+            dispatcher.add_query_len(self.config.speculative.num_speculative_tokens + 1)
+        buffers = GraphInputBuffers(
+            sched.max_num_seqs,
+            sizes[-1] * max(dispatcher.query_lens),
+            max_blocks_per_req,
+            self.block_size,
+            self.config.model.max_model_len,
+            self.device,
+        )
+        graphs = CudaGraphRunner(self.model, self.backend, dispatcher, buffers)
+        graphs.capture_all()
+        return graphs
 
     def _load_native_ops(self) -> NativeCpuOps | None:
         """The CPU counterpart of CUDA graphs: decode steps through native kernels that cut
