@@ -30,7 +30,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 21])
 @pytest.mark.parametrize("n,k", [(37, 64), (96, 200), (130, 13)])
 def test_linear(ops: NativeCpuOps, dtype: torch.dtype, m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)

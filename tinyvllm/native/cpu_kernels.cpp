@@ -131,28 +131,34 @@ extern "C" {
 
 int tv_num_threads(void) { return omp_get_max_threads(); }
 
-// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for M <= 8 rows; x, out contiguous.
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x, out contiguous. Rows go in tiles of
+// up to 8 that share each weight load (decode batches: bandwidth-bound up to ~8 rows, then
+// FMA-bound; the weight is re-read once per tile).
 void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bias, int b_dt,
                void* out, int M, int64_t N, int64_t K, int nthreads) {
-  float* xf = to_f32(x, M * K, x_dt);
-  // Transposed accumulator [N, M] so each thread writes a contiguous range.
-  float* acc = static_cast<float*>(aligned_alloc(64, ((N * M * 4 + 63) / 64) * 64));
+  float* xf = to_f32(x, static_cast<int64_t>(M) * K, x_dt);
+  // Per tile a transposed accumulator [N, tile] so each thread writes a contiguous range.
+  float* acc = static_cast<float*>(aligned_alloc(64, ((N * 8 * 4 + 63) / 64) * 64));
   const int64_t chunk = 16;
   const int64_t nchunks = (N + chunk - 1) / chunk;
+  for (int m0 = 0; m0 < M; m0 += 8) {
+    const int tile = M - m0 < 8 ? M - m0 : 8;
+    const float* xt = xf + static_cast<int64_t>(m0) * K;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-    if (w_dt)
-      gemv_dispatch(static_cast<const uint16_t*>(w), xf, M, K, n0, n1, acc);
-    else
-      gemv_dispatch(static_cast<const float*>(w), xf, M, K, n0, n1, acc);
-  }
-  for (int m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      float v = acc[n * M + m];
-      if (bias) v += load(bias, n, b_dt);
-      store(out, m * N + n, v, x_dt);
+    for (int64_t c = 0; c < nchunks; ++c) {
+      int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+      if (w_dt)
+        gemv_dispatch(static_cast<const uint16_t*>(w), xt, tile, K, n0, n1, acc);
+      else
+        gemv_dispatch(static_cast<const float*>(w), xt, tile, K, n0, n1, acc);
     }
+    for (int m = 0; m < tile; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        float v = acc[n * tile + m];
+        if (bias) v += load(bias, n, b_dt);
+        store(out, (m0 + m) * N + n, v, x_dt);
+      }
+  }
   free(acc);
   free(xf);
 }

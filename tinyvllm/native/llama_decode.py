@@ -1,7 +1,7 @@
 """A whole Llama-family decode step as one native call (see `tv_llama_decode`).
 
 `LlamaDecodeProgram` binds every weight, norm and KV tensor of a model once; a decode-only
-step of up to `MAX_LINEAR_ROWS` requests then runs embedding -> layers -> final norm without
+step (up to `max_linear_rows` requests) then runs embedding -> layers -> final norm without
 returning to Python. Models the kernel cannot express (quantized weights, mixed dtypes, soft
 caps, non-contiguous weights) get no program and keep the module path.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tinyvllm.native.ops import MAX_LINEAR_ROWS, NativeCpuOps, dtype_code
+from tinyvllm.native.ops import NativeCpuOps, dtype_code, max_linear_rows
 
 if TYPE_CHECKING:
     from tinyvllm.models.llama import LlamaForCausalLM
@@ -74,6 +74,7 @@ class LlamaDecodeProgram:
         self._keep = keep  # tensors whose memory the program points into
         self.hidden_size = int(model.hidden)
         self.dtype = torch.float32 if model.dt == 0 else torch.bfloat16
+        self.max_rows = max_linear_rows(self.dtype)
         fn = ops.lib.tv_llama_decode
         fn.argtypes = [
             POINTER(_TvModel), c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
@@ -158,7 +159,7 @@ class LlamaDecodeProgram:
         return cls(ops, desc, structs, keep)
 
     def supports(self, num_reqs: int, num_tokens: int) -> bool:
-        return num_tokens == num_reqs and num_reqs <= MAX_LINEAR_ROWS
+        return num_tokens == num_reqs and num_reqs <= self.max_rows
 
     def run(
         self,

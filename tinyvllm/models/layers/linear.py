@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.gguf.weight import GGUFWeight
-from tinyvllm.native.ops import MAX_LINEAR_ROWS, NativeCpuOps
+from tinyvllm.native.ops import NativeCpuOps
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import QuantizedWeight
 
@@ -112,11 +112,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)
-        if (
-            self.native is not None
-            and x.shape[0] <= MAX_LINEAR_ROWS
-            and self.native.can_linear(x, self.weight)
-        ):
+        if self.native is not None and self.native.can_linear(x, self.weight):
             return self.native.linear(x, self.weight, self.bias)
         if self.gemm_weight is not None and x.shape[0] >= self.gemm_min_rows:
             return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
