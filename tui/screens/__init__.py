@@ -1,0 +1,1 @@
+"""Screens of the tinyvllm TUI: models, chat, stats and log."""

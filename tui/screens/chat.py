@@ -1,0 +1,241 @@
+"""Chat: streamed Markdown answers, Esc to stop, sampling settings and a live stats sidebar."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static
+from textual.worker import Worker
+
+from tinyvllm_tui.messages import ResponseFailed, ResponseFinished, ResponseStarted
+from tinyvllm_tui.widgets.conversation import AssistantMessage, Conversation, UserMessage
+from tinyvllm_tui.widgets.prompt import PromptInput
+from tinyvllm_tui.widgets.settings import SettingsPanel
+from tinyvllm_tui.widgets.stats_panel import StatsPanel
+
+if TYPE_CHECKING:
+    from tinyvllm_tui.app import TinyVLLMApp
+    from tinyvllm_tui.backend import ChatLike
+
+NO_MODEL = "No model loaded: press F2 to pick one."
+
+
+class ChatScreen(Screen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+t", "toggle_stats", "Stats panel"),
+        Binding("ctrl+o", "toggle_settings", "Settings"),
+        Binding("ctrl+r", "copy_last", "Copy reply"),
+    ]
+
+    generating: reactive[bool] = reactive(False)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session: ChatLike | None = None
+        self._worker: Worker[None] | None = None
+        self._turn: tuple[str, UserMessage, AssistantMessage] | None = None
+
+    @property
+    def tui(self) -> TinyVLLMApp:
+        return cast("TinyVLLMApp", self.app)
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="chat-body"):
+            with Vertical(id="chat-main"):
+                yield Conversation(id="conversation")
+                yield Static(NO_MODEL, id="chat-status")
+                yield PromptInput(id="prompt")
+            yield SettingsPanel(id="settings")
+            yield StatsPanel(
+                self.tui.read_stats, self.tui.engine_activity, map_rows=6, id="side-stats"
+            )
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#settings").display = False
+        self.query_one(PromptInput).focus()
+
+    def on_screen_resume(self) -> None:
+        self.query_one(StatsPanel).wake()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return self.generating
+        return True
+
+    def watch_generating(self, generating: bool) -> None:
+        self.set_class(generating, "-generating")
+        self.refresh_bindings()
+
+    def _status(self, text: str, error: bool = False) -> None:
+        status = self.query_one("#chat-status", Static)
+        status.update(text)
+        status.set_class(error, "error")
+
+    # ---- session ----------------------------------------------------------------------------
+    async def attach(self, session: ChatLike, model_name: str) -> None:
+        """Start a fresh conversation on a newly loaded model, keeping the settings."""
+        await self.stop_generation()
+        self.session = session
+        for key, value in self.query_one(SettingsPanel).values.items():
+            self._apply(key, value)
+        await self.query_one(Conversation).remove_children()
+        self._status(f"{model_name} ready.")
+
+    async def new_chat(self) -> None:
+        await self.stop_generation()
+        if self.session is not None:
+            self.session.reset()
+        await self.query_one(Conversation).remove_children()
+        self._status("New chat." if self.session is not None else NO_MODEL)
+        self.query_one(PromptInput).focus()
+
+    def _apply(self, key: str, value: Any) -> None:
+        if self.session is None:
+            return
+        panel = self.query_one(SettingsPanel)
+        try:
+            if key == "system":
+                self.session.system = value or None
+            else:
+                self.session.set_param(key, value)
+        except (ValueError, TypeError) as exc:
+            panel.show_error(str(exc))
+        else:
+            panel.show_error("")
+
+    @on(SettingsPanel.Changed)
+    def _setting_changed(self, event: SettingsPanel.Changed) -> None:
+        self._apply(event.key, event.value)
+
+    # ---- one turn ---------------------------------------------------------------------------
+    @on(PromptInput.Submitted)
+    async def _submit(self, event: PromptInput.Submitted) -> None:
+        if self.session is None:
+            self._status(NO_MODEL, error=True)
+            return
+        if self.generating:
+            self.notify("Still answering: Esc stops it.", severity="warning")
+            return
+        text = event.text
+        event.prompt.clear()
+        conversation = self.query_one(Conversation)
+        user = await conversation.add_user(text)
+        answer = await conversation.add_assistant()
+        conversation.anchor()  # a new turn always brings the view back to the end
+        self._turn = (text, user, answer)
+        self.generating = True
+        self._status("Answering… Esc stops.")
+        self.post_message(ResponseStarted(text))
+        self._worker = self.run_worker(
+            self._generate(self.session, text, answer), group="generate", exit_on_error=False
+        )
+
+    async def _generate(self, session: ChatLike, text: str, answer: AssistantMessage) -> None:
+        try:
+            # aclosing: a cancel (Esc) that lands while we render must still close the stream
+            # now, so the session records the turn before stop_generation forgets it.
+            async with contextlib.aclosing(session.send(text)) as stream:
+                async for delta in stream:
+                    await answer.append_text(delta)
+        except asyncio.CancelledError:
+            raise  # Esc: action_stop tidies up
+        except Exception as exc:
+            error = str(exc) or type(exc).__name__
+            await answer.finish(f"error: {error}", state="failed")
+            self._end_turn()
+            self._status(f"Generation failed: {error}", error=True)
+            prompt = self.query_one(PromptInput)
+            if not prompt.text:
+                prompt.restore(text)  # the session took the turn back; let the user retry
+            self.post_message(ResponseFailed(error))
+            return
+        turn = session.last_turn
+        summary = turn.line() if turn is not None else ""
+        await answer.finish(summary)
+        self._end_turn()
+        self._status("")
+        self.post_message(ResponseFinished(answer.text, summary))
+
+    def _end_turn(self) -> None:
+        self._turn = None
+        self._worker = None
+        self.generating = False
+
+    async def stop_generation(self) -> str | None:
+        """Stop the answer in flight, drop that turn from the view and the session's history;
+        returns its prompt (None when nothing was running)."""
+        if self._turn is None:
+            return None
+        text, user, answer = self._turn
+        worker, session = self._worker, self.session
+        if session is not None:
+            session.stop()
+        if worker is not None:
+            worker.cancel()
+            # Let the stream unwind (which aborts the request and frees its KV blocks).
+            await asyncio.wait([asyncio.ensure_future(_finished(worker))], timeout=5)
+        if session is not None:
+            _forget_turn(session, text)
+        await answer.finish()
+        await user.remove()
+        await answer.remove()
+        self._end_turn()
+        return text
+
+    async def action_stop(self) -> None:
+        text = await self.stop_generation()
+        if text is None:
+            return
+        self.query_one(PromptInput).restore(text)
+        self._status("Stopped; the prompt is back in the input.")
+        self.post_message(ResponseFinished("", "", stopped=True))
+
+    def action_toggle_stats(self) -> None:
+        panel = self.query_one(StatsPanel)
+        panel.display = not panel.display
+
+    def action_toggle_settings(self) -> None:
+        panel = self.query_one(SettingsPanel)
+        panel.display = not panel.display
+        if panel.display:
+            panel.query_one("#set-temperature").focus()
+        else:
+            self.query_one(PromptInput).focus()
+
+    def action_copy_last(self) -> None:
+        answer = self.query_one(Conversation).last_answer()
+        if answer is None:
+            self.notify("Nothing to copy yet.", severity="warning")
+        else:
+            answer.action_copy()
+
+
+async def _finished(worker: Worker[None]) -> None:
+    # Worker.wait() raises for cancelled workers; only the fact that it ended matters here.
+    with contextlib.suppress(Exception):
+        await worker.wait()
+
+
+def _forget_turn(session: ChatLike, prompt: str) -> None:
+    """Drop the stopped turn (its user message and any partial answer) from the history, so
+    the restored prompt can be edited and sent again without a duplicate."""
+    messages = session.messages
+    if (
+        len(messages) >= 2
+        and messages[-1].get("role") == "assistant"
+        and messages[-2].get("content") == prompt
+    ):
+        messages.pop()
+    if messages and messages[-1].get("role") == "user" and messages[-1].get("content") == prompt:
+        messages.pop()
