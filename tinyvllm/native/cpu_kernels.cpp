@@ -144,7 +144,8 @@ void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bia
   for (int m0 = 0; m0 < M; m0 += 8) {
     const int tile = M - m0 < 8 ? M - m0 : 8;
     const float* xt = xf + static_cast<int64_t>(m0) * K;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+    // Dynamic: on a busy machine one descheduled thread must not hold half the matrix.
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 2)
     for (int64_t c = 0; c < nchunks; ++c) {
       int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
       if (w_dt)
@@ -240,13 +241,15 @@ void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
   }
 }
 
-// Decode attention straight from the paged cache (no gather): query token tok[i] of request
-// row[i] attends over its seq_lens[row] cached positions; q rows are q_stride elements apart
-// (views into the fused qkv output), out is contiguous [T, hq, head_dim]. kv layout per layer:
-// [2][num_blocks][block_size][hkv][head_dim]. Scores and softmax in fp32.
+// Attention straight from the paged cache (no gather): query token tok[i] of request row[i]
+// attends over the first seq_lens[row[i]] cached positions (decode), or over the first
+// tok_lens[i] when tok_lens is given (any query token: its own position + 1, so several tokens
+// of one request, e.g. K + 1 verify tokens, attend causally). q rows are q_stride elements
+// apart (views into the fused qkv output); out is contiguous [T, hq, head_dim]. kv layout per
+// layer: [2][num_blocks][block_size][hkv][head_dim]. Scores and softmax in fp32.
 void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
-                     const int64_t* tok,
-                     const int64_t* row, const int32_t* seq_lens, const int32_t* block_table,
+                     const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
+                     const int32_t* seq_lens, const int32_t* block_table,
                      int64_t bt_stride, const void* kv, int64_t num_blocks, int64_t block_size,
                      int64_t hq, int64_t hkv, int64_t head_dim, float scale, int64_t window,
                      float softcap, int nthreads) {
@@ -255,7 +258,7 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic) collapse(2)
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t kh = 0; kh < hkv; ++kh) {
-      const int64_t L = seq_lens[row[i]];
+      const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
       const int32_t* blocks = block_table + row[i] * bt_stride;
       const int64_t qpos = L - 1;
       const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
@@ -387,10 +390,13 @@ void tv_head_norm(void* x, int64_t stride, int64_t heads, int64_t d, const void*
     }
 }
 
+// B flattened tokens of R requests (query_start_loc [R + 1]); every token attends causally up
+// to its own position, so decode, K + 1 verify and short prefill chunks all fit.
 // hidden_out [B][hidden] receives the final normed hidden states.
-void tv_llama_decode(const TvModel* m, int64_t B, const int64_t* input_ids,
-                     const int64_t* positions, const int64_t* slots, const int32_t* seq_lens,
-                     const int32_t* block_table, int64_t bt_stride, void* hidden_out) {
+void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input_ids,
+                     const int64_t* positions, const int64_t* slots,
+                     const int32_t* query_start_loc, const int32_t* block_table,
+                     int64_t bt_stride, void* hidden_out) {
   const int dt = m->dt, nt = m->nthreads;
   const int64_t elem = dt ? 2 : 4, H = m->hidden, D = m->head_dim;
   const int64_t qs = m->hq * D, kvs = m->hkv * D, W = qs + 2 * kvs;
@@ -402,9 +408,14 @@ void tv_llama_decode(const TvModel* m, int64_t B, const int64_t* input_ids,
   void* attn = static_cast<char*>(qkv) + elem * B * W;
   void* gate_up = static_cast<char*>(attn) + elem * B * qs;
   void* act = static_cast<char*>(gate_up) + elem * B * 2 * m->inter;
-  int64_t* tok = static_cast<int64_t*>(malloc(sizeof(int64_t) * B));
+  int64_t* tok = static_cast<int64_t*>(malloc(sizeof(int64_t) * 2 * B));
+  int64_t* tok_row = tok + B;
+  int32_t* tok_len = static_cast<int32_t*>(malloc(sizeof(int32_t) * B));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t) tok_row[t] = r;
   for (int64_t b = 0; b < B; ++b) {
     tok[b] = b;
+    tok_len[b] = static_cast<int32_t>(positions[b] + 1);
     memcpy(static_cast<char*>(residual) + b * H * elem,
            static_cast<const char*>(m->embed) + input_ids[b] * H * elem, H * elem);
   }
@@ -425,7 +436,8 @@ void tv_llama_decode(const TvModel* m, int64_t B, const int64_t* input_ids,
     char* cache = static_cast<char*>(L.kv_cache);
     const int64_t half = m->num_blocks * m->block_size * kvs * elem;
     tv_store_kv(k, W, v, W, B, kvs, static_cast<int>(elem), cache, cache + half, slots);
-    tv_paged_decode(q, W, attn, dt, B, tok, tok, seq_lens, block_table, bt_stride, cache,
+    tv_paged_decode(q, W, attn, dt, B, tok, tok_row, tok_len, nullptr, block_table, bt_stride,
+                    cache,
                     m->num_blocks, m->block_size, m->hq, m->hkv, D, m->scale, L.window, 0.0f,
                     nt);
     tv_linear(attn, dt, L.o_w, dt, L.o_b, dt, hidden, B, H, qs, nt);
@@ -435,6 +447,7 @@ void tv_llama_decode(const TvModel* m, int64_t B, const int64_t* input_ids,
     tv_linear(act, dt, L.down_w, dt, L.down_b, dt, hidden, B, H, m->inter, nt);
   }
   tv_rms_norm(hidden, residual, m->final_norm, hidden_out, dt, B, H, m->eps);
+  free(tok_len);
   free(tok);
   free(buf);
 }

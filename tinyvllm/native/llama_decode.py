@@ -77,8 +77,8 @@ class LlamaDecodeProgram:
         self.max_rows = max_linear_rows(self.dtype)
         fn = ops.lib.tv_llama_decode
         fn.argtypes = [
-            POINTER(_TvModel), c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
-            c_int64, c_void_p,
+            POINTER(_TvModel), c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
+            c_void_p, c_int64, c_void_p,
         ]  # fmt: skip
         fn.restype = None
         self._fn = fn
@@ -158,24 +158,26 @@ class LlamaDecodeProgram:
             return None
         return cls(ops, desc, structs, keep)
 
-    def supports(self, num_reqs: int, num_tokens: int) -> bool:
-        return num_tokens == num_reqs and num_reqs <= self.max_rows
+    def supports(self, num_tokens: int) -> bool:
+        """Batches of up to `max_rows` tokens: decode, K + 1 verify, short prefill chunks
+        (longer ones are GEMM work that torch's batched kernels do better)."""
+        return 0 < num_tokens <= self.max_rows
 
     def run(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
-        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
         block_table: torch.Tensor,
     ) -> torch.Tensor:
-        """Final hidden states [B, hidden] of a decode-only batch (one token per request)."""
-        b = input_ids.shape[0]
-        out = torch.empty((b, self.hidden_size), dtype=self.dtype)
+        """Final hidden states [T, hidden] of every scheduled token."""
+        t = input_ids.shape[0]
+        out = torch.empty((t, self.hidden_size), dtype=self.dtype)
         self._fn(
-            ctypes.byref(self._model), b, input_ids.data_ptr(), positions.data_ptr(),
-            slot_mapping.data_ptr(), seq_lens.data_ptr(), block_table.data_ptr(),
-            block_table.stride(0), out.data_ptr(),
+            ctypes.byref(self._model), t, query_start_loc.shape[0] - 1, input_ids.data_ptr(),
+            positions.data_ptr(), slot_mapping.data_ptr(), query_start_loc.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), out.data_ptr(),
         )  # fmt: skip
         return out
 

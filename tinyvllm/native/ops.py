@@ -16,10 +16,10 @@ from tinyvllm.native.build import load_library
 
 # Input rows up to which the native kernel beats torch: with bf16 weights up to 64 rows
 # (measured on a 2-core AVX2 EPYC, one thread, SmolLM2-135M's layer shapes: 2.5x less CPU time
-# than fp32 MKL on weight copies at 8 rows, 1.2x at 64); with fp32 weights MKL's GEMM wins
-# once the weight is reused by a few rows.
+# than fp32 MKL on weight copies at 8 rows, 1.2x at 64); with fp32 weights the two tie at 16
+# rows and MKL's blocked GEMM wins beyond.
 MAX_LINEAR_ROWS = 64
-MAX_FP32_LINEAR_ROWS = 8
+MAX_FP32_LINEAR_ROWS = 16
 # The element-wise kernels run on one thread: past a few dozen rows torch's vectorised,
 # multi-threaded ops are faster, and the dispatch overhead they save no longer matters.
 MAX_ELEMENTWISE_ROWS = 64
@@ -65,6 +65,7 @@ class NativeCpuOps:
         ]  # fmt: skip
         lib.tv_paged_decode.argtypes = [
             c_void_p, c_int64, c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
+            c_void_p,
             c_int64, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float,
             c_int64, c_float, c_int,
         ]  # fmt: skip
@@ -184,7 +185,7 @@ class NativeCpuOps:
         _, num_blocks, block_size, hkv, d = kv_cache.shape
         self.lib.tv_paged_decode(
             query.data_ptr(), query.stride(0), out.data_ptr(), _DTYPE_CODES[query.dtype],
-            token_idx.shape[0], token_idx.data_ptr(), rows.data_ptr(), seq_lens.data_ptr(),
+            token_idx.shape[0], token_idx.data_ptr(), rows.data_ptr(), None, seq_lens.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), kv_cache.data_ptr(), num_blocks,
             block_size, query.shape[1], hkv, d, scale, sliding_window or 0, soft_cap or 0.0,
             self.num_threads,

@@ -186,12 +186,17 @@ class ModelRunner:
             if desc is not None:
                 return graphs.run(desc, batch.input_ids, batch.positions, md)
         program = self.decode_program
-        if program is not None and program.supports(md.num_reqs, md.num_actual_tokens):
+        if (
+            program is not None
+            and program.supports(md.num_actual_tokens)
+            and md.bidirectional_ranges is None
+        ):
             if self.draft is not None:  # the draft model runs its layers on this plan
                 self.backend.plan(md)
             return program.run(
-                batch.input_ids, batch.positions, md.slot_mapping, md.seq_lens, md.block_table
-            )
+                batch.input_ids, batch.positions, md.slot_mapping, md.query_start_loc,
+                md.block_table,
+            )  # fmt: skip
         self.backend.plan(md)
         return self.model(batch.input_ids, batch.positions, md)
 

@@ -1,0 +1,168 @@
+"""Where the milliseconds of one CPU decode step go.
+
+Runs single-stream (or batch-B) greedy decoding of the random-weight SmolLM2-135M-shaped
+benchmark model (see throughput.py) and splits the wall time of an engine step into
+scheduler, input preparation, model, logits, sampling and output processing; then times each
+kernel of the native decode program on the model's own weights (every layer in turn, so
+weights come from memory as in a real step) and reports achieved bandwidth.
+
+    python benchmarks/decode_profile.py [--batch 1] [--threads 2] [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL_DIR = Path("~/.cache/tinyvllm/bench/smollm2-135m-random").expanduser()
+
+
+def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[name] += time.perf_counter() - t
+
+    return wrapper
+
+
+def step_breakdown(llm: Any, batch: int, new_tokens: int) -> dict[str, float]:
+    from tinyvllm import SamplingParams
+
+    engine = llm.engine
+    runner = engine.runner
+    acc: dict[str, float] = defaultdict(float)
+    engine.scheduler.schedule = _timed(acc, "scheduler", engine.scheduler.schedule)
+    runner.execute_model = _timed(acc, "runner (all)", runner.execute_model)
+    runner._forward = _timed(acc, "  model forward", runner._forward)
+    runner.model.compute_logits = _timed(acc, "  lm_head (logits)", runner.model.compute_logits)
+    runner.sampler.forward = _timed(acc, "  sampler", runner.sampler.forward)
+    engine.step = _timed(acc, "engine step (total)", engine.step)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 35 + i))} for i in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    acc.clear()
+    steps_before = engine.get_stats().num_steps
+    llm.generate(prompts, params, use_tqdm=False)
+    steps = engine.get_stats().num_steps - steps_before
+    return {k: v / steps * 1e3 for k, v in acc.items()} | {"steps": steps}
+
+
+def kernel_breakdown(
+    llm: Any, batch: int, context: int, reps: int
+) -> list[tuple[str, float, float]]:
+    """(kernel, ms per step, GB/s) for the native kernels on the model's own weights."""
+    runner = llm.engine.runner
+    ops = runner.native
+    layers = list(runner.model.model.layers)
+    hidden = layers[0].input_layernorm.weight.shape[0]
+    dtype = layers[0].input_layernorm.weight.dtype
+    x = torch.randn(batch, hidden).to(dtype)
+    rows: list[tuple[str, float, float]] = []
+
+    def run(name: str, fn: Callable[[Any], Any], nbytes: Callable[[Any], int]) -> None:
+        for layer in layers:  # warm
+            fn(layer)
+        t = time.perf_counter()
+        for _ in range(reps):
+            for layer in layers:
+                fn(layer)
+        ms = (time.perf_counter() - t) / reps * 1e3
+        total = sum(nbytes(layer) for layer in layers)
+        rows.append((name, ms, total / (ms / 1e3) / 1e9))
+
+    def linear(attr: str) -> Callable[[Any], Any]:
+        def fn(layer: Any) -> Any:
+            mod = _get(layer, attr)
+            xin = torch.randn(batch, mod.input_size).to(dtype) if mod.input_size != hidden else x
+            return ops.linear(xin, mod.weight, mod.bias)
+
+        return fn
+
+    def wbytes(attr: str) -> Callable[[Any], int]:
+        def nbytes(layer: Any) -> int:
+            weight = _get(layer, attr).weight
+            return weight.numel() * weight.element_size()
+
+        return nbytes
+
+    for attr in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        run(attr.split(".")[-1], linear(attr), wbytes(attr))
+    def norms(layer: Any) -> None:
+        ops.rms_norm(x, None, layer.input_layernorm.weight, 1e-5)
+        ops.rms_norm(x, None, layer.post_attention_layernorm.weight, 1e-5)
+
+    run("rms_norm x2", norms, lambda layer: 0)
+    attn0 = layers[0].self_attn.attn
+    kv = attn0.kv_cache
+    bs = kv.shape[2]
+    nb = -(-context // bs)
+    block_table = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb) % kv.shape[1]
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(batch, attn0.num_heads, attn0.head_dim).to(dtype)
+    out = torch.empty_like(q)
+    tok = torch.arange(batch)
+
+    def attend(layer: Any) -> None:
+        a = layer.self_attn.attn
+        ops.paged_decode(q, out, tok, tok, seq_lens, block_table, a.kv_cache, a.scale, None, None)
+
+    kv_bytes = 2 * batch * context * attn0.num_kv_heads * attn0.head_dim * kv.element_size()
+    run(f"attention (context {context})", attend, lambda layer: kv_bytes)
+    head = runner.model.lm_head.weight
+    t = time.perf_counter()
+    for _ in range(reps):
+        ops.linear(x, head, None)
+    ms = (time.perf_counter() - t) / reps * 1e3
+    rows.append(("lm_head", ms, head.numel() * head.element_size() / (ms / 1e3) / 1e9))
+    return rows
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="enforce_eager (no native kernels)")
+    p.add_argument("--model-dir", type=Path, default=MODEL_DIR)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from tinyvllm import LLM
+
+    if not (args.model_dir / "config.json").exists():
+        raise SystemExit(f"{args.model_dir} missing: run benchmarks/throughput.py once first")
+    llm = LLM(str(args.model_dir), dtype="bfloat16", max_model_len=1024,
+              skip_tokenizer_init=True, kv_cache_memory_bytes=512 << 20,
+              enforce_eager=args.eager)  # fmt: skip
+    steps = step_breakdown(llm, args.batch, args.new_tokens)
+    print(f"## engine step, batch {args.batch}, {args.threads} threads "
+          f"({'eager' if args.eager else 'native'}), {steps.pop('steps')} steps")  # fmt: skip
+    for name, ms in steps.items():
+        print(f"{name:<24} {ms:8.3f} ms")
+    if llm.engine.runner.native is not None:
+        print(f"\n## native kernels, batch {args.batch}, summed over all layers")
+        for name, ms, gbs in kernel_breakdown(llm, args.batch, 64, 20):
+            print(f"{name:<24} {ms:8.3f} ms  {gbs:6.1f} GB/s")
+    import os
+
+    print(f"\nload average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
