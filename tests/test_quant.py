@@ -69,6 +69,15 @@ def gguf_reference(w: GGUFWeight) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.qtype)).reshape(w.shape)
 
 
+@pytest.fixture
+def no_native_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conversions of machines without the native kernels (GGUF blocks kept as they are
+    where those load: tests/test_native_quant.py)."""
+    import tinyvllm.quant.weight
+
+    monkeypatch.setattr(tinyvllm.quant.weight, "quant_kernels", lambda: None)
+
+
 # --- kernels ---------------------------------------------------------------------------
 
 
@@ -181,6 +190,7 @@ def test_int4_falls_back_to_int8_when_groups_do_not_fit() -> None:
     assert qw.format == "int8"
 
 
+@pytest.mark.usefixtures("no_native_blocks")
 @pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q4_K])
 def test_gguf_int4_blocks_repack_exactly(qtype: int) -> None:
     from tinyvllm.gguf.dequant import q4_blocks
@@ -203,6 +213,7 @@ def test_gguf_int4_blocks_repack_exactly(qtype: int) -> None:
         assert rel_err(qw.linear(x), F.linear(x.float(), reference)) < 6e-3
 
 
+@pytest.mark.usefixtures("no_native_blocks")
 @pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q6_K, GT.Q5_0])
 def test_other_gguf_formats_requantize_to_int8(qtype: int) -> None:
     if qtype == GT.Q6_K:
@@ -379,6 +390,7 @@ def test_int8_model_close_to_float(calm_checkpoints: dict[str, Path], family: st
     assert model_bytes(model) < 0.56 * model_bytes(float_model)
 
 
+@pytest.mark.usefixtures("no_native_blocks")
 def test_gguf_blocks_load_like_their_dequantized_floats(calm_checkpoints: dict[str, Path]) -> None:
     """Q4_0 linear weights and a Q8_0 embedding, streamed as raw blocks, give the model the
     float model loaded with the same blocks dequantized gives (int4 repack is lossless)."""
@@ -396,4 +408,4 @@ def test_gguf_blocks_load_like_their_dequantized_floats(calm_checkpoints: dict[s
     model = check_close_to_fp32(model_dir, QuantConfig("gguf"), blocks, dequantized)
     assert model.model.layers[0].mlp.gate_up_proj.qweight.format == "int4"
     # The head keeps the file's exact (dequantized) values under "gguf".
-    assert model.lm_head.qweight is None
+    assert model.lm_head.qweight is not None and model.lm_head.qweight.format == "float"

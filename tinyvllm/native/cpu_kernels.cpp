@@ -344,6 +344,13 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
 
 extern "C" {
 
+// From quant_kernels.cpp: GEMV / row lookup for any weight format code (float rows or GGUF
+// blocks), so quantized models run through the same program.
+void tv_linear_any(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
+                   int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
+void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, int64_t K,
+                      void* out, int out_dt);
+
 struct TvLayer {
   const void* in_norm;
   const void* post_norm;
@@ -359,6 +366,7 @@ struct TvLayer {
   const void* k_norm;
   void* kv_cache;  // [2][num_blocks][block_size][hkv][head_dim]
   int64_t window;  // sliding window, 0 = full attention
+  int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;  // weight format codes (quant_kernels.cpp)
 };
 
 struct TvModel {
@@ -371,6 +379,7 @@ struct TvModel {
   const float* cos_c;
   const float* sin_c;
   const TvLayer* layers;
+  int embed_fmt;
 };
 
 // In-place RMSNorm of every head of strided rows (Qwen3's per-head q/k norms).
@@ -416,9 +425,8 @@ void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* inpu
   for (int64_t b = 0; b < B; ++b) {
     tok[b] = b;
     tok_len[b] = static_cast<int32_t>(positions[b] + 1);
-    memcpy(static_cast<char*>(residual) + b * H * elem,
-           static_cast<const char*>(m->embed) + input_ids[b] * H * elem, H * elem);
   }
+  tv_embedding_any(m->embed, m->embed_fmt, input_ids, B, H, residual, dt);
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const TvLayer& L = m->layers[l];
     // The first layer's residual is the embedding itself: normalise without the add.
@@ -426,7 +434,7 @@ void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* inpu
       tv_rms_norm(residual, nullptr, L.in_norm, normed, dt, B, H, m->eps);
     else
       tv_rms_norm(hidden, residual, L.in_norm, normed, dt, B, H, m->eps);
-    tv_linear(normed, dt, L.qkv_w, dt, L.qkv_b, dt, qkv, B, W, H, nt);
+    tv_linear_any(normed, dt, L.qkv_w, L.qkv_fmt, L.qkv_b, dt, qkv, B, W, H, nt);
     char* q = static_cast<char*>(qkv);
     char* k = q + qs * elem;
     char* v = k + kvs * elem;
@@ -440,11 +448,12 @@ void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* inpu
                     cache,
                     m->num_blocks, m->block_size, m->hq, m->hkv, D, m->scale, L.window, 0.0f,
                     nt);
-    tv_linear(attn, dt, L.o_w, dt, L.o_b, dt, hidden, B, H, qs, nt);
+    tv_linear_any(attn, dt, L.o_w, L.o_fmt, L.o_b, dt, hidden, B, H, qs, nt);
     tv_rms_norm(hidden, residual, L.post_norm, normed, dt, B, H, m->eps);
-    tv_linear(normed, dt, L.gate_up_w, dt, L.gate_up_b, dt, gate_up, B, 2 * m->inter, H, nt);
+    tv_linear_any(normed, dt, L.gate_up_w, L.gate_up_fmt, L.gate_up_b, dt, gate_up, B,
+                  2 * m->inter, H, nt);
     tv_silu_mul(gate_up, act, dt, B, m->inter);
-    tv_linear(act, dt, L.down_w, dt, L.down_b, dt, hidden, B, H, m->inter, nt);
+    tv_linear_any(act, dt, L.down_w, L.down_fmt, L.down_b, dt, hidden, B, H, m->inter, nt);
   }
   tv_rms_norm(hidden, residual, m->final_norm, hidden_out, dt, B, H, m->eps);
   free(tok_len);

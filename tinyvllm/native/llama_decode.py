@@ -1,9 +1,10 @@
 """A whole Llama-family decode step as one native call (see `tv_llama_decode`).
 
-`LlamaDecodeProgram` binds every weight, norm and KV tensor of a model once; a decode-only
-step (up to `max_linear_rows` requests) then runs embedding -> layers -> final norm without
-returning to Python. Models the kernel cannot express (quantized weights, mixed dtypes, soft
-caps, non-contiguous weights) get no program and keep the module path.
+`LlamaDecodeProgram` binds every weight, norm and KV tensor of a model once; a batch of up to
+`max_linear_rows` tokens then runs embedding -> layers -> final norm without returning to
+Python. Weights are float rows or GGUF blocks (format codes of quant_kernels.cpp). Models the
+kernels cannot express (int4/int8 repacked weights, mixed dtypes, soft caps, non-contiguous
+weights) get no program and keep the module path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class _TvLayer(Structure):
         ("k_norm", c_void_p),
         ("kv_cache", c_void_p),
         ("window", c_int64),
+        ("qkv_fmt", c_int),
+        ("o_fmt", c_int),
+        ("gate_up_fmt", c_int),
+        ("down_fmt", c_int),
     ]
 
 
@@ -59,6 +64,7 @@ class _TvModel(Structure):
         ("cos_c", c_void_p),
         ("sin_c", c_void_p),
         ("layers", POINTER(_TvLayer)),
+        ("embed_fmt", c_int),
     ]
 
 
@@ -87,10 +93,10 @@ class LlamaDecodeProgram:
     def build(cls, model: LlamaForCausalLM, ops: NativeCpuOps) -> LlamaDecodeProgram | None:
         """The program for `model` with its KV caches bound, or None when unsupported."""
         inner = model.model
-        dt = dtype_code(inner.embed_tokens.weight.dtype)
-        if dt is None or model.quant_config is not None:
+        dtype = inner.norm.weight.dtype
+        dt = dtype_code(dtype)
+        if dt is None:
             return None
-        dtype = inner.embed_tokens.weight.dtype
         layers = list(inner.layers)
         first = layers[0].self_attn
         rope = inner.rotary_emb
@@ -104,6 +110,20 @@ class LlamaDecodeProgram:
             keep.append(t)
             return t.data_ptr()
 
+        def weight(module: torch.nn.Module) -> tuple[int, int]:
+            """(pointer, format code) of a linear layer's or embedding's weight."""
+            qweight = getattr(module, "qweight", None)
+            if qweight is None:
+                return tensor(module.weight) or 0, dt
+            native = qweight.native_weight
+            if native is None:
+                raise _Unsupported
+            fmt, data = native
+            if not data.is_contiguous() or (fmt <= 1 and data.dtype != dtype):
+                raise _Unsupported
+            keep.append(data)
+            return data.data_ptr(), fmt
+
         try:
             structs = (_TvLayer * len(layers))()
             for i, layer in enumerate(layers):
@@ -112,21 +132,27 @@ class LlamaDecodeProgram:
                     raise _Unsupported
                 if attn.attn.kv_cache.dtype != dtype:
                     raise _Unsupported
+                qkv, o = weight(attn.qkv_proj), weight(attn.o_proj)
+                gate_up, down = weight(mlp.gate_up_proj), weight(mlp.down_proj)
                 structs[i] = _TvLayer(
                     tensor(layer.input_layernorm.weight),
                     tensor(layer.post_attention_layernorm.weight),
-                    tensor(attn.qkv_proj.weight),
+                    qkv[0],
                     tensor(attn.qkv_proj.bias),
-                    tensor(attn.o_proj.weight),
+                    o[0],
                     tensor(attn.o_proj.bias),
-                    tensor(mlp.gate_up_proj.weight),
+                    gate_up[0],
                     tensor(mlp.gate_up_proj.bias),
-                    tensor(mlp.down_proj.weight),
+                    down[0],
                     tensor(mlp.down_proj.bias),
                     tensor(None if attn.q_norm is None else attn.q_norm.weight),
                     tensor(None if attn.k_norm is None else attn.k_norm.weight),
                     tensor(attn.attn.kv_cache),
                     attn.attn.sliding_window or 0,
+                    qkv[1],
+                    o[1],
+                    gate_up[1],
+                    down[1],
                 )
             kv = first.attn.kv_cache
             assert kv is not None
@@ -134,11 +160,12 @@ class LlamaDecodeProgram:
             if len(norm_eps) != 1 or first.attn.num_heads // first.attn.num_kv_heads > 64:
                 raise _Unsupported
             keep += [rope.cos_cache, rope.sin_cache]
+            embed_ptr, embed_fmt = weight(inner.embed_tokens)
             desc = _TvModel(
                 dt,
                 ops.num_threads,
                 len(layers),
-                inner.embed_tokens.weight.shape[1],
+                inner.norm.weight.shape[0],
                 first.attn.num_heads,
                 first.attn.num_kv_heads,
                 first.attn.head_dim,
@@ -148,11 +175,12 @@ class LlamaDecodeProgram:
                 kv.shape[2],
                 norm_eps.pop(),
                 first.attn.scale,
-                tensor(inner.embed_tokens.weight),
+                embed_ptr,
                 tensor(inner.norm.weight),
                 rope.cos_cache.data_ptr(),
                 rope.sin_cache.data_ptr(),
                 structs,
+                embed_fmt,
             )
         except _Unsupported:
             return None

@@ -17,19 +17,24 @@ class QuantConfig:
     - "int4": float weights become 4-bit values with a scale and zero point per
       `group_size` input columns (layers whose input size is not a multiple of
       `group_size` fall back to int8).
-    - "gguf": weights arrive as raw GGUF blocks; Q4_0/Q4_1/Q4_K repack losslessly into
-      int4 groups of 32, every other format (and float tensors) becomes int8 per row.
+    - "gguf": weights arrive as raw GGUF blocks. On CPUs where the native kernels load,
+      Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices are kept as the file's blocks (a fused layer's
+      shards must share one type) and computed on directly; otherwise Q4_0/Q4_1/Q4_K repack
+      losslessly into int4 groups of 32, and every other format (and float tensors) becomes
+      int8 per row.
 
     The embedding table and lm_head are int8 per row for "int8"/"int4": one copy then serves
     both the row lookup and the output projection of tied models. For "gguf" they keep the
-    file's exact values in the model dtype instead: requantizing a block-scaled table (Q8_0,
-    Q6_K) to one scale per row moves the logits by ~1%, enough to flip near-tied greedy
-    choices of small models, while a float GEMV over that table is no slower on CPU.
+    file's exact values (`exact`): the blocks themselves where the native kernels read them,
+    else floats in the model dtype. Requantizing a block-scaled table (Q8_0, Q6_K) to one scale
+    per row moves the logits by ~1%, enough to flip near-tied greedy choices of small models.
     Norms and biases stay float.
     """
 
     method: str
     group_size: int = 32
+    # Never requantize: keep GGUF blocks the kernels read, else dequantize to the model dtype.
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -43,10 +48,10 @@ class QuantConfig:
                 f"{', '.join(map(str, INT4_GROUP_SIZES))}"
             )
 
-    def output_config(self) -> QuantConfig | None:
-        """The config of the embedding table and lm_head (see above; None: float)."""
+    def output_config(self) -> QuantConfig:
+        """The config of the embedding table and lm_head (see above)."""
         if self.method == "gguf":
-            return None
+            return replace(self, exact=True)
         return replace(self, method="int8")
 
     @classmethod

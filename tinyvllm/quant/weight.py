@@ -3,16 +3,20 @@
 Checkpoint tensors (float, or raw GGUF blocks) arrive as row ranges: a fused layer gets
 one per shard. They are kept as they came until every row is covered, because the storage
 format of a fused GGUF layer depends on all of its shards (Q4_K q/k with a Q6_K v cannot
-be int4). Then they are converted once and dropped, so a streamed load holds at most one
-layer's raw shards beyond the packed model.
+be one block matrix, nor int4). Then they are converted once and dropped, so a streamed load
+holds at most one layer's raw shards beyond the packed model.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
 from tinyvllm.gguf.weight import GGUFWeight
+from tinyvllm.native.ops import max_linear_rows
+from tinyvllm.native.quant_ops import GGUF_FORMATS, format_code, quant_kernels
 from tinyvllm.quant import kernels
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.quantize import is_gguf_int4, quantize_int4_rows, quantize_int8_rows
@@ -30,8 +34,11 @@ class QuantizedWeight(nn.Module):
 
     Buffers (set by `finalize`): int8 format: `qweight` int8 [N, K], `scale` [N];
     int4 format: `qweight` uint8 [N(+pad), K / 2] in the device's layout,
-    `scales_zeros` [K / G, N(+pad), 2]. Device and model dtype are taken from the
-    construction context (`with torch.device(...)`, default dtype), like a parameter's.
+    `scales_zeros` [K / G, N(+pad), 2]; gguf_blocks format: `qweight` uint8
+    [N, bytes per row], the file's blocks of type `gguf_qtype` (native CPU kernels);
+    float format (exact configs whose tensors no kernel reads): `qweight` [N, K] in the model
+    dtype. Device and model dtype are taken from the construction context
+    (`with torch.device(...)`, default dtype), like a parameter's.
     """
 
     def __init__(self, in_features: int, out_features: int, config: QuantConfig) -> None:
@@ -44,6 +51,7 @@ class QuantizedWeight(nn.Module):
         self.model_dtype = probe.dtype
         self.kernel_dtype = _kernel_dtype(self.device, self.model_dtype)
         self.format: str | None = None
+        self.gguf_qtype: int | None = None
         self.dense_min_rows = 0
         self.register_buffer("qweight", None)
         self.register_buffer("scale", None)
@@ -81,7 +89,11 @@ class QuantizedWeight(nn.Module):
             end = offset + rows
         shards = [self._shard_on_device(self._pending[off]) for off, _ in covered]
         self._pending = {}
-        if self._int4_fits(shards):
+        if self._blocks_fit(shards):
+            self._keep_blocks(shards)  # type: ignore[arg-type]
+        elif self.config.exact:
+            self._keep_float(shards)
+        elif self._int4_fits(shards):
             self._pack_int4(shards)
         else:
             self._pack_int8(shards)
@@ -90,6 +102,39 @@ class QuantizedWeight(nn.Module):
         if isinstance(shard, GGUFWeight):
             return GGUFWeight(shard.data.to(self.device), shard.qtype, shard.shape)
         return shard.to(self.device)
+
+    def _blocks_fit(self, shards: list[torch.Tensor | GGUFWeight]) -> bool:
+        """GGUF shards of one type the native kernels read, on a CPU where they load."""
+        if self.config.method != "gguf" or self.device.type != "cpu" or quant_kernels() is None:
+            return False
+        qtypes = {shard.qtype if isinstance(shard, GGUFWeight) else None for shard in shards}
+        return len(qtypes) == 1 and qtypes.pop() in GGUF_FORMATS
+
+    def _keep_blocks(self, shards: list[GGUFWeight]) -> None:
+        # One contiguous copy (fused shards stacked by rows): nothing points into the file.
+        self.qweight = torch.cat([shard.data.reshape(shard.shape[0], -1) for shard in shards])
+        self.gguf_qtype = shards[0].qtype
+        self.format = "gguf_blocks"
+
+    def _keep_float(self, shards: list[torch.Tensor | GGUFWeight]) -> None:
+        parts = [
+            s.dequantize(self.model_dtype) if isinstance(s, GGUFWeight) else s.to(self.model_dtype)
+            for s in shards
+        ]
+        self.qweight = torch.cat(parts).contiguous()
+        self.format = "float"
+
+    @property
+    def native_weight(self) -> tuple[int, torch.Tensor] | None:
+        """(format code, tensor) for the native kernels' `tv_linear_any` (see
+        tinyvllm/native/quant_kernels.cpp), or None where they cannot read this weight."""
+        if self.format == "gguf_blocks":
+            assert self.gguf_qtype is not None
+            return GGUF_FORMATS[self.gguf_qtype], self.qweight
+        if self.format == "float" and self.device.type == "cpu":
+            code = format_code(self.qweight.dtype)
+            return None if code is None else (code, self.qweight)
+        return None
 
     def _int4_fits(self, shards: list[torch.Tensor | GGUFWeight]) -> bool:
         if self.config.method == "int8":
@@ -139,6 +184,8 @@ class QuantizedWeight(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         self._check_ready()
         x2 = x.reshape(-1, self.in_features)
+        if self.format in ("gguf_blocks", "float"):
+            return self._native_linear(x2, bias).reshape(*x.shape[:-1], self.out_features)
         if self.format == "int8":
             y = kernels.int8_linear(x2, self.qweight, self.scale, self.dense_min_rows)
         else:
@@ -149,17 +196,49 @@ class QuantizedWeight(nn.Module):
             y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _native_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        native = self.native_weight
+        kernels_ = quant_kernels()
+        if (
+            native is None
+            or kernels_ is None
+            or (self.format == "float" and x.shape[0] > max_linear_rows(self.qweight.dtype))
+        ):
+            # Off CPU or without the kernels, and large batches on float tables: torch's GEMM.
+            return F.linear(x, self.qweight.to(x.dtype), bias)
+        fmt, weight = native
+        xk = x if format_code(x.dtype) is not None else x.float()
+        y = kernels_.linear(xk, fmt, weight, self.out_features, bias)
+        return y.to(x.dtype)
+
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W in the model dtype (int8 format only)."""
+        """Rows `ids` of W in the model dtype (int8, gguf_blocks and float formats)."""
         self._check_ready()
+        if self.format == "float":
+            return F.embedding(ids, self.qweight)
+        if self.format == "gguf_blocks":
+            assert self.gguf_qtype is not None
+            kernels_ = quant_kernels()
+            assert kernels_ is not None
+            dtype = self.model_dtype if format_code(self.model_dtype) is not None else torch.float32
+            rows = kernels_.embedding(
+                GGUF_FORMATS[self.gguf_qtype], self.qweight, self.in_features, ids, dtype
+            )
+            return rows.to(self.model_dtype)
         if self.format != "int8":
-            raise RuntimeError("row lookup needs the int8 format")
+            raise RuntimeError("row lookup needs the int8, gguf_blocks or float format")
         rows = self.qweight[ids].float() * self.scale[ids].float().unsqueeze(-1)
         return rows.to(self.model_dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full float matrix (for tests and debugging; the layers never build it)."""
         self._check_ready()
+        if self.format == "gguf_blocks":
+            assert self.gguf_qtype is not None
+            shape = (self.out_features, self.in_features)
+            return dequantize_blocks(self.qweight, self.gguf_qtype, shape).to(dtype)
+        if self.format == "float":
+            return self.qweight.to(dtype)
         if self.format == "int8":
             return kernels.dequantize_int8(self.qweight, self.scale, dtype)
         if self.device.type == "cpu":
@@ -176,4 +255,8 @@ class QuantizedWeight(nn.Module):
         fmt = self.format or "pending"
         if self.format == "int4":
             fmt += f", group={self.in_features // self.scales_zeros.shape[0]}"
+        if self.gguf_qtype is not None:
+            from tinyvllm.gguf.dequant import qtype_name
+
+            fmt += f" {qtype_name(self.gguf_qtype)}"
         return f"in={self.in_features}, out={self.out_features}, {fmt}"

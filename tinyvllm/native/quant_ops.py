@@ -1,0 +1,164 @@
+"""Typed Python faces of the GGUF block kernels (see quant_kernels.cpp).
+
+A weight is described to the kernels by a format code and a pointer: dense float rows (codes 0
+and 1) or a GGUF block matrix kept exactly as the file stores it (codes 2..6). `linear` runs the
+native GEMV for decode-sized batches and, for larger ones, dequantizes slabs of rows to fp32
+for a GEMM; `embedding` dequantizes looked-up rows only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Mapping
+from ctypes import c_int, c_int64, c_void_p
+from types import MappingProxyType
+
+import torch
+
+from tinyvllm.native.build import load_library
+
+# Weight format codes shared with quant_kernels.cpp (and the decode program's TvLayer).
+FORMAT_F32 = 0
+FORMAT_BF16 = 1
+FORMAT_Q4_0 = 2
+FORMAT_Q4_1 = 3
+FORMAT_Q8_0 = 4
+FORMAT_Q4_K = 5
+FORMAT_Q6_K = 6
+
+# ggml type id -> format code, for the block types the kernels read.
+GGUF_FORMATS: Mapping[int, int] = MappingProxyType(
+    {2: FORMAT_Q4_0, 3: FORMAT_Q4_1, 8: FORMAT_Q8_0, 12: FORMAT_Q4_K, 14: FORMAT_Q6_K}
+)
+_DTYPE_FORMATS: Mapping[torch.dtype, int] = MappingProxyType(
+    {torch.float32: FORMAT_F32, torch.bfloat16: FORMAT_BF16}
+)
+
+# Input rows up to which the GEMV (in passes of 8 rows) beats dequantize-then-GEMM: each pass
+# re-reads the blocks, while the dense path pays one dequantization of the matrix and then runs
+# at GEMM speed (benchmarks/gguf_gemv.py on a 2-core AVX2 EPYC, SmolLM2 shapes: the GEMV wins
+# at 32 rows, the two trade places around 64). Up to here a row's result is the same whatever
+# the batch around it (the kernels are batch invariant; the GEMM is not), matching the native
+# decode program, which takes batches of up to 64 tokens.
+GEMV_MAX_ROWS = 64
+# Output rows dequantized at once on the dense path: a slab stays cache-sized.
+DENSE_SLAB_ROWS = 256
+
+
+def format_code(dtype: torch.dtype) -> int | None:
+    """The format code of a dense weight in `dtype` (None: the kernels cannot read it)."""
+    return _DTYPE_FORMATS.get(dtype)
+
+
+class QuantKernels:
+    """The loaded library's block kernels; every call runs on `torch.get_num_threads()`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        linear_args = [
+            c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_int64,
+            c_int64, c_int,
+        ]  # fmt: skip
+        lib.tv_linear_any.argtypes = linear_args
+        lib.tv_linear_any.restype = None
+        lib.tv_dequant_rows.argtypes = [
+            c_void_p, c_int, c_int64, c_int64, c_int64, c_void_p, c_int,
+        ]  # fmt: skip
+        lib.tv_dequant_rows.restype = None
+        lib.tv_embedding_any.argtypes = [
+            c_void_p, c_int, c_void_p, c_int64, c_int64, c_void_p, c_int,
+        ]  # fmt: skip
+        lib.tv_embedding_any.restype = None
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        fmt: int,
+        weight: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [M, K] (fp32 or bf16) @ W^T (+ bias) -> [M, out_features] in x's dtype.
+
+        `weight` is dense [N, K] for codes 0/1 or uint8 blocks [N, bytes per row]. Up to
+        `GEMV_MAX_ROWS` rows (and any dense weight) take the GEMV, more a GEMM on dequantized
+        slabs.
+        """
+        if x.shape[0] > GEMV_MAX_ROWS and fmt not in (FORMAT_F32, FORMAT_BF16):
+            return self.dense_linear(x, fmt, weight, out_features, bias)
+        return self.gemv(x, fmt, weight, out_features, bias)
+
+    def gemv(
+        self,
+        x: torch.Tensor,
+        fmt: int,
+        weight: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`linear` through tv_linear_any whatever the row count."""
+        x = x.contiguous()
+        m, k = x.shape
+        if bias is not None and bias.dtype not in _DTYPE_FORMATS:
+            bias = bias.float()
+        out = torch.empty((m, out_features), dtype=x.dtype)
+        self.lib.tv_linear_any(
+            x.data_ptr(), _DTYPE_FORMATS[x.dtype], weight.data_ptr(), fmt,
+            None if bias is None else bias.data_ptr(),
+            0 if bias is None else _DTYPE_FORMATS[bias.dtype], out.data_ptr(), m, out_features,
+            k, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def dequantize_rows(
+        self, fmt: int, weight: torch.Tensor, in_features: int, start: int, stop: int
+    ) -> torch.Tensor:
+        """Rows [start, stop) of a block matrix as fp32 [stop - start, in_features], bit for
+        bit what tinyvllm.gguf.dequant gives."""
+        out = torch.empty((stop - start, in_features), dtype=torch.float32)
+        self.lib.tv_dequant_rows(
+            weight.data_ptr(), fmt, in_features, start, stop, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def embedding(
+        self, fmt: int, weight: torch.Tensor, in_features: int, ids: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rows `ids` of W in `dtype` (rounded once from the exact fp32 values)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], in_features), dtype=dtype)
+        self.lib.tv_embedding_any(
+            weight.data_ptr(), fmt, flat.data_ptr(), flat.shape[0], in_features, out.data_ptr(),
+            _DTYPE_FORMATS[dtype],
+        )  # fmt: skip
+        return out.view(*ids.shape, in_features)
+
+    def dense_linear(
+        self,
+        x: torch.Tensor,
+        fmt: int,
+        weight: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """fp32 GEMM over slabs of dequantized rows (prefill and large batches)."""
+        xf = x.float()
+        k = x.shape[1]
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        for start in range(0, out_features, DENSE_SLAB_ROWS):
+            stop = min(start + DENSE_SLAB_ROWS, out_features)
+            slab = self.dequantize_rows(fmt, weight, k, start, stop)
+            out[:, start:stop] = xf @ slab.t()
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype)
+
+
+@functools.cache
+def quant_kernels() -> QuantKernels | None:
+    """The block kernels of this machine's native library (None where it does not load)."""
+    lib = load_library()
+    return None if lib is None else QuantKernels(lib)
