@@ -144,9 +144,10 @@ def chat_env(root: Path) -> dict[str, str]:
     return env
 
 
-# Dequantized weights load faster than repacking the GGUF's Q4_1 blocks (same answers).
 CHAT = [sys.executable, "-m", "tinyvllm.cli", "chat", "--max-model-len", "1024"]
-CHAT += ["--quantization", "none", "--temperature", "0"]
+# The default quantization keeps the GGUF's blocks: the fastest load, and the exact file values
+# (a bf16 dequantized copy flips the near-tied first token of the France answer).
+CHAT += ["--temperature", "0"]
 
 
 @pytest.fixture(scope="module")

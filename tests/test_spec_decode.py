@@ -192,12 +192,13 @@ def test_real_model_accepts_drafts_and_keeps_greedy_output() -> None:
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
         **kwargs,
     )
+    # Pin K = 4: the dynamic controller weighs measured step costs and on a busy machine may
+    # back off; this test is about verification keeping greedy output, so it must verify a lot.
+    spec.engine.runner.speculator.controller.choose_k = lambda batch_size: 4
     got = [o.outputs[0].token_ids for o in spec.chat(messages, params, use_tqdm=False)]
     assert got == expected
     stats = spec.get_stats()
-    # Dynamic K weighs measured step costs, so how many drafts it risks depends on how cheap
-    # plain decode steps are here; some must still be accepted.
-    assert stats.spec_accepted_tokens >= 5, stats
+    assert stats.spec_accepted_tokens > 10, stats
     assert stats.num_steps < base.get_stats().num_steps
 
 
