@@ -19,12 +19,14 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Compiled together into one library: the decode kernels and the GGUF block GEMVs, which the
-# decode program calls into (tv_linear_any).
+# Compiled together into one library: the decode kernels, the GGUF block GEMVs and the decode
+# program that calls both; common.h holds what they share.
 SOURCES = (
     Path(__file__).with_name("cpu_kernels.cpp"),
     Path(__file__).with_name("quant_kernels.cpp"),
+    Path(__file__).with_name("llama_decode.cpp"),
 )
+HEADERS = (Path(__file__).with_name("common.h"),)
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
 FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
@@ -68,7 +70,7 @@ def unsupported_reason() -> str | None:
 
 def library_path() -> Path:
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     key = digest.hexdigest()[:16]
     return cache_dir() / f"tinyvllm_cpu_{key}.so"

@@ -26,53 +26,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern "C" void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bias,
-                          int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
+#include "common.h"
 
 namespace {
+
+using namespace tv;
 
 enum Format { kF32 = 0, kBF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 4, kQ4_K = 5, kQ6_K = 6 };
 
 // Input rows per pass over the weight: all of them share each decoded weight vector.
 constexpr int kMaxRows = 8;
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 64);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float load_dt(const void* p, int64_t i, int dt) {
-  return dt ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
-
-inline void store_dt(void* p, int64_t i, float v, int dt) {
-  if (dt)
-    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-  else
-    static_cast<float*>(p)[i] = v;
-}
-
 inline float fp16(const uint8_t* p) {
   uint16_t h;
   memcpy(&h, p, 2);
   return _cvtsh_ss(h);
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
 }
 
 inline __m256 u8x8(const uint8_t* p) {  // 8 unsigned bytes -> 8 int32 lanes
@@ -394,7 +362,7 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
       for (int64_t g = 0; g < groups; ++g) {
         float s = 0.0f;
         for (int64_t i = 32 * g; i < 32 * g + 32; ++i) {
-          const float v = load_dt(x, (m0 + m) * K + i, x_dt);
+          const float v = load(x, (m0 + m) * K + i, x_dt);
           xf[m * K + i] = v;
           s += v;
         }
@@ -407,9 +375,9 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
       float res[kChunk * kMaxRows];
       fn(wb, row_bytes, xf, xs8, K, n0, n1, res);
       for (int64_t n = n0; n < n1; ++n) {
-        const float b = bias ? load_dt(bias, n, b_dt) : 0.0f;
+        const float b = bias ? load(bias, n, b_dt) : 0.0f;
         for (int m = 0; m < tile; ++m)
-          store_dt(out, (m0 + m) * N + n, res[(n - n0) * tile + m] + b, x_dt);
+          store(out, (m0 + m) * N + n, res[(n - n0) * tile + m] + b, x_dt);
       }
     }
   }
@@ -448,11 +416,11 @@ void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, i
   float* row = static_cast<float*>(aligned_alloc(64, ((K * 4 + 63) / 64) * 64));
   for (int64_t t = 0; t < T; ++t) {
     if (w_fmt == kF32 || w_fmt == kBF16) {
-      for (int64_t k = 0; k < K; ++k) row[k] = load_dt(w, ids[t] * K + k, w_fmt);
+      for (int64_t k = 0; k < K; ++k) row[k] = load(w, ids[t] * K + k, w_fmt);
     } else {
       dequant_row(w_fmt, static_cast<const uint8_t*>(w) + ids[t] * (K / elems * bytes), K, row);
     }
-    for (int64_t k = 0; k < K; ++k) store_dt(out, t * K + k, row[k], out_dt);
+    for (int64_t k = 0; k < K; ++k) store(out, t * K + k, row[k], out_dt);
   }
   free(row);
 }

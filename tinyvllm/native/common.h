@@ -1,0 +1,83 @@
+// Shared by the native CPU kernel sources: bf16 <-> fp32 conversion, dtype-coded loads and
+// stores (0 = float32, 1 = bfloat16), AVX2 helpers, and the C entry points each file offers
+// the others.
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace tv {
+
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 64);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+inline float load(const void* p, int64_t i, int dt) {
+  return dt ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline void store(void* p, int64_t i, float v, int dt) {
+  if (dt)
+    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+// Rounds to the storage dtype without storing (emulates an eager op's output rounding).
+inline float as_dtype(float v, int dt) { return dt ? round_bf16(v) : v; }
+
+inline __m256 load8(const uint16_t* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+}  // namespace tv
+
+extern "C" {
+void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bias, int b_dt,
+               void* out, int M, int64_t N, int64_t K, int nthreads);
+void tv_linear_any(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
+                   int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
+void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, int64_t K,
+                      void* out, int out_dt);
+void tv_rms_norm(const void* x, void* residual, const void* weight, void* out, int dt,
+                 int64_t T, int64_t H, float eps);
+void tv_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D);
+void tv_rope(void* q, int64_t q_stride, int64_t hq, void* k, int64_t k_stride, int64_t hkv,
+             int dt, int64_t T, int64_t head_dim, int64_t rot, const int64_t* positions,
+             const float* cos_c, const float* sin_c);
+void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, int64_t T,
+                 int64_t width, int elem, void* k_cache, void* v_cache, const int64_t* slots);
+void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
+                     const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
+                     const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,
+                     const void* kv, int64_t num_blocks, int64_t block_size, int64_t hq,
+                     int64_t hkv, int64_t head_dim, float scale, int64_t window, float softcap,
+                     int nthreads);
+}

@@ -1,0 +1,128 @@
+// One whole decode step of a Llama-family model in one call (see llama_decode.py).
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+using namespace tv;
+
+// The CPU counterpart of a captured CUDA graph: the runner hands over pointers to every weight
+// and KV tensor once, and each decode step is then a single call (no per-op dispatch). Each
+// stage calls the same kernels the per-layer path uses, so both give identical bits.
+
+extern "C" {
+
+struct TvLayer {
+  const void* in_norm;
+  const void* post_norm;
+  const void* qkv_w;
+  const void* qkv_b;
+  const void* o_w;
+  const void* o_b;
+  const void* gate_up_w;
+  const void* gate_up_b;
+  const void* down_w;
+  const void* down_b;
+  const void* q_norm;  // per-head norms (Qwen3), may be null
+  const void* k_norm;
+  void* kv_cache;  // [2][num_blocks][block_size][hkv][head_dim]
+  int64_t window;  // sliding window, 0 = full attention
+  int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;  // weight format codes (quant_kernels.cpp)
+};
+
+struct TvModel {
+  int dt;  // activation, weight and cache dtype
+  int nthreads;
+  int64_t num_layers, hidden, hq, hkv, head_dim, rot, inter, num_blocks, block_size;
+  float eps, scale;
+  const void* embed;  // [vocab][hidden]
+  const void* final_norm;
+  const float* cos_c;
+  const float* sin_c;
+  const TvLayer* layers;
+  int embed_fmt;
+};
+
+// In-place RMSNorm of every head of strided rows (Qwen3's per-head q/k norms).
+void tv_head_norm(void* x, int64_t stride, int64_t heads, int64_t d, const void* w, int dt,
+                  int64_t T, float eps) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t o = t * stride + h * d;
+      double ss = 0.0;
+      for (int64_t i = 0; i < d; ++i) {
+        float v = load(x, o + i, dt);
+        ss += static_cast<double>(v) * v;
+      }
+      const float inv = 1.0f / sqrtf(static_cast<float>(ss / d) + eps);
+      for (int64_t i = 0; i < d; ++i)
+        store(x, o + i, load(w, i, dt) * as_dtype(load(x, o + i, dt) * inv, dt), dt);
+    }
+}
+
+// B flattened tokens of R requests (query_start_loc [R + 1]); every token attends causally up
+// to its own position, so decode, K + 1 verify and short prefill chunks all fit.
+// hidden_out [B][hidden] receives the final normed hidden states.
+void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input_ids,
+                     const int64_t* positions, const int64_t* slots,
+                     const int32_t* query_start_loc, const int32_t* block_table,
+                     int64_t bt_stride, void* hidden_out) {
+  const int dt = m->dt, nt = m->nthreads;
+  const int64_t elem = dt ? 2 : 4, H = m->hidden, D = m->head_dim;
+  const int64_t qs = m->hq * D, kvs = m->hkv * D, W = qs + 2 * kvs;
+  char* buf = static_cast<char*>(malloc(elem * B * (3 * H + W + qs + 3 * m->inter) + 64));
+  void* hidden = buf;
+  void* residual = buf + elem * B * H;
+  void* normed = buf + elem * B * 2 * H;
+  void* qkv = buf + elem * B * 3 * H;
+  void* attn = static_cast<char*>(qkv) + elem * B * W;
+  void* gate_up = static_cast<char*>(attn) + elem * B * qs;
+  void* act = static_cast<char*>(gate_up) + elem * B * 2 * m->inter;
+  int64_t* tok = static_cast<int64_t*>(malloc(sizeof(int64_t) * 2 * B));
+  int64_t* tok_row = tok + B;
+  int32_t* tok_len = static_cast<int32_t*>(malloc(sizeof(int32_t) * B));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t) tok_row[t] = r;
+  for (int64_t b = 0; b < B; ++b) {
+    tok[b] = b;
+    tok_len[b] = static_cast<int32_t>(positions[b] + 1);
+  }
+  tv_embedding_any(m->embed, m->embed_fmt, input_ids, B, H, residual, dt);
+  for (int64_t l = 0; l < m->num_layers; ++l) {
+    const TvLayer& L = m->layers[l];
+    // The first layer's residual is the embedding itself: normalise without the add.
+    if (l == 0)
+      tv_rms_norm(residual, nullptr, L.in_norm, normed, dt, B, H, m->eps);
+    else
+      tv_rms_norm(hidden, residual, L.in_norm, normed, dt, B, H, m->eps);
+    tv_linear_any(normed, dt, L.qkv_w, L.qkv_fmt, L.qkv_b, dt, qkv, B, W, H, nt);
+    char* q = static_cast<char*>(qkv);
+    char* k = q + qs * elem;
+    char* v = k + kvs * elem;
+    if (L.q_norm) tv_head_norm(q, W, m->hq, D, L.q_norm, dt, B, m->eps);
+    if (L.k_norm) tv_head_norm(k, W, m->hkv, D, L.k_norm, dt, B, m->eps);
+    tv_rope(q, W, m->hq, k, W, m->hkv, dt, B, D, m->rot, positions, m->cos_c, m->sin_c);
+    char* cache = static_cast<char*>(L.kv_cache);
+    const int64_t half = m->num_blocks * m->block_size * kvs * elem;
+    tv_store_kv(k, W, v, W, B, kvs, static_cast<int>(elem), cache, cache + half, slots);
+    tv_paged_decode(q, W, attn, dt, B, tok, tok_row, tok_len, nullptr, block_table, bt_stride,
+                    cache,
+                    m->num_blocks, m->block_size, m->hq, m->hkv, D, m->scale, L.window, 0.0f,
+                    nt);
+    tv_linear_any(attn, dt, L.o_w, L.o_fmt, L.o_b, dt, hidden, B, H, qs, nt);
+    tv_rms_norm(hidden, residual, L.post_norm, normed, dt, B, H, m->eps);
+    tv_linear_any(normed, dt, L.gate_up_w, L.gate_up_fmt, L.gate_up_b, dt, gate_up, B,
+                  2 * m->inter, H, nt);
+    tv_silu_mul(gate_up, act, dt, B, m->inter);
+    tv_linear_any(act, dt, L.down_w, L.down_fmt, L.down_b, dt, hidden, B, H, m->inter, nt);
+  }
+  tv_rms_norm(hidden, residual, m->final_norm, hidden_out, dt, B, H, m->eps);
+  free(tok_len);
+  free(tok);
+  free(buf);
+}
+
+}  // extern "C"
