@@ -25,6 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+# Same directory: run as `python benchmarks/gguf_gemv.py`.
+from quant_matmul import best_times_us
+
 from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.native import NativeCpuOps
 from tinyvllm.native.quant_ops import FORMAT_Q4_1, FORMAT_Q8_0, quant_kernels
@@ -38,24 +41,6 @@ SHAPES: dict[str, tuple[int, int]] = {  # name -> (out N, in K)
     "lm_head 576->49152": (49152, 576),
 }
 GT = gguf.GGMLQuantizationType
-
-
-def best_times_us(
-    cols: dict[str, list[Callable[[], object]]], budget_s: float, clock: Callable[[], float]
-) -> dict[str, float]:
-    best = dict.fromkeys(cols, float("inf"))
-    for fns in cols.values():
-        fns[0]()
-    start = time.perf_counter()
-    runs = 0
-    while runs < 5 or time.perf_counter() - start < budget_s:
-        for name, fns in cols.items():
-            fn = fns[runs % len(fns)]
-            t0 = clock()
-            fn()
-            best[name] = min(best[name], clock() - t0)
-        runs += 1
-    return {name: t * 1e6 for name, t in best.items()}
 
 
 def int4pack(data: torch.Tensor, n: int, k: int) -> QuantizedWeight:

@@ -86,8 +86,6 @@ float* to_f32(const void* x, int64_t n, int dt) {
 
 extern "C" {
 
-int tv_num_threads(void) { return omp_get_max_threads(); }
-
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x, out contiguous. Rows go in tiles of
 // up to 8 that share each weight load (decode batches: bandwidth-bound up to ~8 rows, then
 // FMA-bound; the weight is re-read once per tile).
