@@ -206,7 +206,11 @@ def test_real_model_in_a_terminal(tmp_path: Path, piped_chat: Any) -> None:
         child.expect_exact(">>> ")
 
         # Ctrl-C at the prompt drops the half-typed line.
+        # Wait for readline's echo: a ^C that lands while readline is still taking the keys
+        # flushes them and is only noticed at the next key press (CPython's readline loop
+        # checks signals only when select() is interrupted).
         child.send("half typed")
+        child.expect_exact("half typed")
         child.sendintr()
         child.expect_exact(">>> ")
         child.sendline("/set temperature=0.5")

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import logging
 import queue
+import signal
 import threading
 from dataclasses import replace
 
@@ -102,6 +103,11 @@ class EngineLoop:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        # Ctrl-C belongs to the main thread: a SIGINT taken here (or by the worker threads this
+        # thread starts, which inherit the mask) would not wake a main thread blocked in
+        # select(), e.g. a REPL's readline prompt, until the next key press.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self._loop()
         except BaseException as exc:  # never leave a stream waiting on a dead thread
