@@ -101,11 +101,13 @@ def test_rope_in_place_matches_eager(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 20.0)])
+# 68 and 80: the 64-wide value sums plus a scalar tail / an 8-wide remainder.
+@pytest.mark.parametrize("d", [16, 68, 80])
 def test_paged_decode_and_store(
-    ops: NativeCpuOps, dtype: torch.dtype, window: int | None, cap: float | None
+    ops: NativeCpuOps, dtype: torch.dtype, window: int | None, cap: float | None, d: int
 ) -> None:
     gen = torch.Generator().manual_seed(3)
-    block_size, num_blocks, hkv, group, d = 4, 32, 2, 3, 16
+    block_size, num_blocks, hkv, group = 4, 32, 2, 3
     kv = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dtype)
     seq_lens = torch.tensor([1, 7, 13], dtype=torch.int32)
     perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)

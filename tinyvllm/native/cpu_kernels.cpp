@@ -96,6 +96,58 @@ void gemv_dispatch(const W* w, const float* x, int M, int64_t K, int64_t n0, int
   }
 }
 
+// q . k for P cached keys at element offsets off[] (independent FMA chains: one chain per
+// key is latency-bound). Each key's sum runs in the same order whatever P is.
+template <int P, typename T>
+inline void key_dots_t(const T* kv, const int64_t* off, const float* q, int64_t head_dim,
+                       float* out) {
+  __m256 a[P];
+  for (int j = 0; j < P; ++j) a[j] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= head_dim; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < P; ++j) a[j] = _mm256_fmadd_ps(load8(kv + off[j] + d), qv, a[j]);
+  }
+  for (int j = 0; j < P; ++j) {
+    float s = hsum(a[j]);
+    for (int64_t e = d; e < head_dim; ++e) s += wval(kv, off[j] + e) * q[e];
+    out[j] = s;
+  }
+}
+
+template <int P>
+inline void key_dots(const void* kv, int dt, const int64_t* off, const float* q,
+                     int64_t head_dim, float* out) {
+  if (dt)
+    key_dots_t<P>(static_cast<const uint16_t*>(kv), off, q, head_dim, out);
+  else
+    key_dots_t<P>(static_cast<const float*>(kv), off, q, head_dim, out);
+}
+
+// sum_p s[p] * v_p[d0 : d0 + 8 V] over positions [first, L), value rows at voff[p]: the
+// accumulators stay in registers, each lane summing over p in order.
+template <int V, typename T>
+inline void value_sum_t(const T* kv, const int64_t* voff, int64_t first, int64_t L,
+                        const float* s, int64_t d0, float* out) {
+  __m256 a[V];
+  for (int j = 0; j < V; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t p = first; p < L; ++p) {
+    const __m256 pw = _mm256_set1_ps(s[p]);
+    const T* vp = kv + voff[p] + d0;
+    for (int j = 0; j < V; ++j) a[j] = _mm256_fmadd_ps(load8(vp + 8 * j), pw, a[j]);
+  }
+  for (int j = 0; j < V; ++j) _mm256_storeu_ps(out + 8 * j, a[j]);
+}
+
+template <int V>
+inline void value_sum(const void* kv, int dt, const int64_t* voff, int64_t first, int64_t L,
+                      const float* s, int64_t d0, float* out) {
+  if (dt)
+    value_sum_t<V>(static_cast<const uint16_t*>(kv), voff, first, L, s, d0, out);
+  else
+    value_sum_t<V>(static_cast<const float*>(kv), voff, first, L, s, d0, out);
+}
+
 float* to_f32(const void* x, int64_t n, int dt) {
   float* buf = static_cast<float*>(aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
   for (int64_t i = 0; i < n; ++i) buf[i] = load(x, i, dt);
@@ -237,7 +289,9 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
       const int32_t* blocks = block_table + row[i] * bt_stride;
       const int64_t qpos = L - 1;
       const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
-      float* scores = static_cast<float*>(malloc((L + 1) * group * 4 + head_dim * group * 8));
+      int64_t* voff = static_cast<int64_t*>(
+          malloc(L * 8 + (L + 1) * group * 4 + head_dim * group * 8));
+      float* scores = reinterpret_cast<float*>(voff + L);
       float* qf = scores + (L + 1) * group;
       float* acc = qf + head_dim * group;
       for (int64_t g = 0; g < group; ++g)
@@ -245,30 +299,28 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
           qf[g * head_dim + d] = load(q, tok[i] * q_stride + (kh * group + g) * head_dim + d, dt);
       float mx[64];
       for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
-      for (int64_t p = first; p < L; ++p) {
-        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
-                             p % block_size;
-        const int64_t off = (slot * hkv + kh) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf + g * head_dim;
-          __m256 a = _mm256_setzero_ps();
-          int64_t d = 0;
-          if (dt) {
-            const uint16_t* kp = static_cast<const uint16_t*>(kv) + off;
-            for (; d + 8 <= head_dim; d += 8)
-              a = _mm256_fmadd_ps(load8(kp + d), _mm256_loadu_ps(qg + d), a);
-          } else {
-            const float* kp = static_cast<const float*>(kv) + off;
-            for (; d + 8 <= head_dim; d += 8)
-              a = _mm256_fmadd_ps(_mm256_loadu_ps(kp + d), _mm256_loadu_ps(qg + d), a);
-          }
-          float sc = hsum(a);
-          for (; d < head_dim; ++d) sc += load(kv, off + d, dt) * qg[d];
-          sc *= scale;
-          if (softcap > 0.0f) sc = tanhf(sc / softcap) * softcap;
-          scores[g * (L + 1) + p] = sc;
-          if (sc > mx[g]) mx[g] = sc;
+      for (int64_t p = first; p < L;) {
+        const int np = L - p >= 4 ? 4 : 1;  // four keys at a time, then one by one
+        int64_t off[4];
+        for (int j = 0; j < np; ++j) {
+          const int64_t slot = static_cast<int64_t>(blocks[(p + j) / block_size]) * block_size +
+                               (p + j) % block_size;
+          off[j] = (slot * hkv + kh) * head_dim;
         }
+        for (int64_t g = 0; g < group; ++g) {
+          float sc[4];
+          if (np == 4)
+            key_dots<4>(kv, dt, off, qf + g * head_dim, head_dim, sc);
+          else
+            key_dots<1>(kv, dt, off, qf + g * head_dim, head_dim, sc);
+          for (int j = 0; j < np; ++j) {
+            float v = sc[j] * scale;
+            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+            scores[g * (L + 1) + p + j] = v;
+            if (v > mx[g]) mx[g] = v;
+          }
+        }
+        p += np;
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores + g * (L + 1);
@@ -280,32 +332,27 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
         const float inv = 1.0f / sum;
         for (int64_t p = first; p < L; ++p) sg[p] *= inv;
       }
-      for (int64_t x = 0; x < group * head_dim; ++x) acc[x] = 0.0f;
       for (int64_t p = first; p < L; ++p) {
         const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
                              p % block_size;
-        const int64_t off = cache_half + (slot * hkv + kh) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const __m256 pw = _mm256_set1_ps(scores[g * (L + 1) + p]);
-          float* ag = acc + g * head_dim;
-          int64_t d = 0;
-          if (dt) {
-            const uint16_t* vp = static_cast<const uint16_t*>(kv) + off;
-            for (; d + 8 <= head_dim; d += 8)
-              _mm256_storeu_ps(ag + d, _mm256_fmadd_ps(load8(vp + d), pw, _mm256_loadu_ps(ag + d)));
-          } else {
-            const float* vp = static_cast<const float*>(kv) + off;
-            for (; d + 8 <= head_dim; d += 8)
-              _mm256_storeu_ps(ag + d,
-                               _mm256_fmadd_ps(_mm256_loadu_ps(vp + d), pw, _mm256_loadu_ps(ag + d)));
-          }
-          for (; d < head_dim; ++d) ag[d] += scores[g * (L + 1) + p] * load(kv, off + d, dt);
+        voff[p] = cache_half + (slot * hkv + kh) * head_dim;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float* sg = scores + g * (L + 1);
+        float* ag = acc + g * head_dim;
+        int64_t d = 0;
+        for (; d + 64 <= head_dim; d += 64) value_sum<8>(kv, dt, voff, first, L, sg, d, ag + d);
+        for (; d + 8 <= head_dim; d += 8) value_sum<1>(kv, dt, voff, first, L, sg, d, ag + d);
+        for (; d < head_dim; ++d) {
+          float a = 0.0f;
+          for (int64_t p = first; p < L; ++p) a += sg[p] * load(kv, voff[p] + d, dt);
+          ag[d] = a;
         }
       }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           store(out, (tok[i] * hq + kh * group + g) * head_dim + d, acc[g * head_dim + d], dt);
-      free(scores);
+      free(voff);
     }
   }
 }
