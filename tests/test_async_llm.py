@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -448,6 +449,14 @@ def test_idle_loop_sleeps_and_passthroughs(llm: LLM, start, monkeypatch) -> None
     assert a.reset_prefix_cache().result(TIMEOUT) is True
     with pytest.raises(TypeError, match="already-built Engine"):
         AsyncLLM(llm.engine, max_model_len=64)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks only")
+def test_engine_thread_leaves_ctrl_c_to_the_main_thread(start) -> None:
+    a = start()
+    mask = a._call(lambda engine: signal.pthread_sigmask(signal.SIG_BLOCK, [])).result(TIMEOUT)
+    assert signal.SIGINT in mask
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 def test_constructors(tiny_models: dict[str, Path]) -> None:

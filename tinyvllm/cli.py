@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tinyvllm.sampling_params import SamplingParams
 
 
 def _add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
@@ -80,21 +83,27 @@ def resolve_cli_model(
     return resolved.model, {**resolved.engine_kwargs(), **engine_kwargs}, label
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from tinyvllm import LLM, SamplingParams
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from tinyvllm.sampling_params import SamplingParams
 
-    prompts = args.prompt or [sys.stdin.read()]
-    model, kwargs, _ = resolve_cli_model(
-        args.model, _engine_kwargs(args), args.revision, args.gguf_file, args.draft
-    )
-    llm = LLM(model, **kwargs)
-    params = SamplingParams(
+    return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
         seed=args.sample_seed,
     )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tinyvllm import LLM
+
+    prompts = args.prompt or [sys.stdin.read()]
+    model, kwargs, _ = resolve_cli_model(
+        args.model, _engine_kwargs(args), args.revision, args.gguf_file, args.draft
+    )
+    llm = LLM(model, **kwargs)
+    params = _sampling_params(args)
     start = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -139,15 +148,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from tinyvllm.chat.repl import run_chat
-    from tinyvllm.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sample_seed,
-    )
+    params = _sampling_params(args)
     engine_kwargs = _engine_kwargs(args)
     # --revision / --gguf-file describe --model, not what /load switches to later.
     pinned: dict[str, Any] = {

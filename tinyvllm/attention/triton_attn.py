@@ -28,9 +28,6 @@ class TritonAttentionBackend(AttentionBackend):
         # Forces the split-KV factor (power of two) instead of the heuristic; for tests.
         self.num_splits = num_splits
 
-    def plan(self, metadata: AttentionMetadata) -> None:
-        metadata.plan = None
-
     def forward(
         self,
         layer: Attention,

@@ -20,7 +20,7 @@ from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear, Replica
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
 from tinyvllm.models.weights import load_named_weights
-from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS, dtype_code
+from tinyvllm.native.ops import elementwise_rows_fit
 from tinyvllm.quant import QuantConfig, finalize_quantized_weights
 
 if TYPE_CHECKING:
@@ -103,13 +103,7 @@ class LlamaAttention(nn.Module):
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         # Qwen3 normalises each head separately, before rope.
         native = norm.native
-        if (
-            native is not None
-            and x.shape[0] <= MAX_ELEMENTWISE_ROWS
-            and x.stride(1) == 1
-            and x.dtype == norm.weight.dtype
-            and dtype_code(x.dtype) is not None
-        ):
+        if native is not None and elementwise_rows_fit(x) and x.dtype == norm.weight.dtype:
             native.head_norm_(x, self.head_dim, norm.weight, norm.eps)  # x: fresh qkv rows
             return x
         return norm(x.unflatten(-1, (-1, self.head_dim))).flatten(-2)

@@ -31,7 +31,6 @@ inline float wval(const float* w, int64_t i) { return w[i]; }
 constexpr int kPrefetchTiles = 2;
 
 // RB output rows x M input rows per inner step; RB * M accumulators stay in registers.
-
 template <typename W, int M, int RB>
 void gemv_rows(const W* w, const float* x, int64_t K, int64_t n0, int64_t n1, int64_t N,
                float* acc_out) {
@@ -124,28 +123,28 @@ inline void key_dots(const void* kv, int dt, const int64_t* off, const float* q,
     key_dots_t<P>(static_cast<const float*>(kv), off, q, head_dim, out);
 }
 
-// sum_p s[p] * v_p[d0 : d0 + 8 V] over positions [first, L), value rows at voff[p]: the
+// sum_p s[p] * v_p[d0 : d0 + 8 V] over positions [first, L), value rows at off[p]: the
 // accumulators stay in registers, each lane summing over p in order.
 template <int V, typename T>
-inline void value_sum_t(const T* kv, const int64_t* voff, int64_t first, int64_t L,
+inline void value_sum_t(const T* kv, const int64_t* off, int64_t first, int64_t L,
                         const float* s, int64_t d0, float* out) {
   __m256 a[V];
   for (int j = 0; j < V; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t p = first; p < L; ++p) {
     const __m256 pw = _mm256_set1_ps(s[p]);
-    const T* vp = kv + voff[p] + d0;
+    const T* vp = kv + off[p] + d0;
     for (int j = 0; j < V; ++j) a[j] = _mm256_fmadd_ps(load8(vp + 8 * j), pw, a[j]);
   }
   for (int j = 0; j < V; ++j) _mm256_storeu_ps(out + 8 * j, a[j]);
 }
 
 template <int V>
-inline void value_sum(const void* kv, int dt, const int64_t* voff, int64_t first, int64_t L,
+inline void value_sum(const void* kv, int dt, const int64_t* off, int64_t first, int64_t L,
                       const float* s, int64_t d0, float* out) {
   if (dt)
-    value_sum_t<V>(static_cast<const uint16_t*>(kv), voff, first, L, s, d0, out);
+    value_sum_t<V>(static_cast<const uint16_t*>(kv), off, first, L, s, d0, out);
   else
-    value_sum_t<V>(static_cast<const float*>(kv), voff, first, L, s, d0, out);
+    value_sum_t<V>(static_cast<const float*>(kv), off, first, L, s, d0, out);
 }
 
 float* to_f32(const void* x, int64_t n, int dt) {
@@ -289,11 +288,17 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
       const int32_t* blocks = block_table + row[i] * bt_stride;
       const int64_t qpos = L - 1;
       const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
-      int64_t* voff = static_cast<int64_t*>(
+      // Per position: the element offset of its K row; its V row is cache_half further on.
+      int64_t* off = static_cast<int64_t*>(
           malloc(L * 8 + (L + 1) * group * 4 + head_dim * group * 8));
-      float* scores = reinterpret_cast<float*>(voff + L);
+      float* scores = reinterpret_cast<float*>(off + L);
       float* qf = scores + (L + 1) * group;
       float* acc = qf + head_dim * group;
+      for (int64_t p = first; p < L; ++p) {
+        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
+                             p % block_size;
+        off[p] = (slot * hkv + kh) * head_dim;
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           qf[g * head_dim + d] = load(q, tok[i] * q_stride + (kh * group + g) * head_dim + d, dt);
@@ -301,18 +306,12 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
       for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
       for (int64_t p = first; p < L;) {
         const int np = L - p >= 4 ? 4 : 1;  // four keys at a time, then one by one
-        int64_t off[4];
-        for (int j = 0; j < np; ++j) {
-          const int64_t slot = static_cast<int64_t>(blocks[(p + j) / block_size]) * block_size +
-                               (p + j) % block_size;
-          off[j] = (slot * hkv + kh) * head_dim;
-        }
         for (int64_t g = 0; g < group; ++g) {
           float sc[4];
           if (np == 4)
-            key_dots<4>(kv, dt, off, qf + g * head_dim, head_dim, sc);
+            key_dots<4>(kv, dt, off + p, qf + g * head_dim, head_dim, sc);
           else
-            key_dots<1>(kv, dt, off, qf + g * head_dim, head_dim, sc);
+            key_dots<1>(kv, dt, off + p, qf + g * head_dim, head_dim, sc);
           for (int j = 0; j < np; ++j) {
             float v = sc[j] * scale;
             if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
@@ -332,27 +331,23 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
         const float inv = 1.0f / sum;
         for (int64_t p = first; p < L; ++p) sg[p] *= inv;
       }
-      for (int64_t p = first; p < L; ++p) {
-        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
-                             p % block_size;
-        voff[p] = cache_half + (slot * hkv + kh) * head_dim;
-      }
+      const void* vcache = static_cast<const char*>(kv) + cache_half * (dt ? 2 : 4);
       for (int64_t g = 0; g < group; ++g) {
         const float* sg = scores + g * (L + 1);
         float* ag = acc + g * head_dim;
         int64_t d = 0;
-        for (; d + 64 <= head_dim; d += 64) value_sum<8>(kv, dt, voff, first, L, sg, d, ag + d);
-        for (; d + 8 <= head_dim; d += 8) value_sum<1>(kv, dt, voff, first, L, sg, d, ag + d);
+        for (; d + 64 <= head_dim; d += 64) value_sum<8>(vcache, dt, off, first, L, sg, d, ag + d);
+        for (; d + 8 <= head_dim; d += 8) value_sum<1>(vcache, dt, off, first, L, sg, d, ag + d);
         for (; d < head_dim; ++d) {
           float a = 0.0f;
-          for (int64_t p = first; p < L; ++p) a += sg[p] * load(kv, voff[p] + d, dt);
+          for (int64_t p = first; p < L; ++p) a += sg[p] * load(vcache, off[p] + d, dt);
           ag[d] = a;
         }
       }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           store(out, (tok[i] * hq + kh * group + g) * head_dim + d, acc[g * head_dim + d], dt);
-      free(voff);
+      free(off);
     }
   }
 }

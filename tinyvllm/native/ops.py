@@ -34,6 +34,17 @@ def dtype_code(dtype: torch.dtype) -> int | None:
     return _DTYPE_CODES.get(dtype)
 
 
+def elementwise_rows_fit(x: torch.Tensor) -> bool:
+    """`x` can go to an element-wise kernel: 2-D rows of unit inner stride in a kernel dtype,
+    few enough rows (see MAX_ELEMENTWISE_ROWS)."""
+    return (
+        x.dim() == 2
+        and x.shape[0] <= MAX_ELEMENTWISE_ROWS
+        and x.stride(1) == 1
+        and dtype_code(x.dtype) is not None
+    )
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS, NativeCpuOps, dtype_code
+from tinyvllm.native.ops import NativeCpuOps, elementwise_rows_fit
 
 
 class SiluAndMul(nn.Module):
@@ -15,13 +15,7 @@ class SiluAndMul(nn.Module):
     native: NativeCpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.native is not None
-            and x.dim() == 2
-            and x.shape[0] <= MAX_ELEMENTWISE_ROWS
-            and x.is_contiguous()
-            and dtype_code(x.dtype) is not None
-        ):
+        if self.native is not None and elementwise_rows_fit(x) and x.is_contiguous():
             return self.native.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.models.layers.linear import new_parameter
-from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS, NativeCpuOps, dtype_code
+from tinyvllm.native.ops import NativeCpuOps, elementwise_rows_fit
 
 
 class RMSNorm(nn.Module):
@@ -39,10 +39,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if (
             self.native is not None
-            and x.dim() == 2
-            and x.shape[0] <= MAX_ELEMENTWISE_ROWS
+            and elementwise_rows_fit(x)
             and x.is_contiguous()
-            and dtype_code(x.dtype) is not None
             and self.weight.dtype == x.dtype
             and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))
         ):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS, NativeCpuOps, dtype_code
+from tinyvllm.native.ops import NativeCpuOps, elementwise_rows_fit
 
 
 @dataclass(frozen=True)
@@ -238,10 +238,8 @@ class RotaryEmbedding(nn.Module):
         native = self.native
         if (
             native is not None
-            and q.shape[0] <= MAX_ELEMENTWISE_ROWS
+            and elementwise_rows_fit(q)
             and q.dtype == k.dtype
-            and dtype_code(q.dtype) is not None
-            and q.stride(1) == 1
             and k.stride(1) == 1
             and positions.dtype == torch.int64
             and positions.is_contiguous()
