@@ -98,6 +98,7 @@ def kernel_breakdown(
 
     for attr in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         run(attr.split(".")[-1], linear(attr), wbytes(attr))
+
     def norms(layer: Any) -> None:
         ops.rms_norm(x, None, layer.input_layernorm.weight, 1e-5)
         ops.rms_norm(x, None, layer.post_attention_layernorm.weight, 1e-5)
