@@ -82,11 +82,14 @@ def no_native_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cpu_int4_layout_is_understood() -> None:
+    # 32-row blocks on AVX2 builds, 64 on AVX-512 ones: both must be recognised.
     assert K.cpu_int4_layout_known()
-    q = torch.randint(0, 16, (96, 128), dtype=torch.uint8)
+    block = K.cpu_int4_block_rows()
+    assert block in (32, 64)
+    q = torch.randint(0, 16, (3 * block, 128), dtype=torch.uint8)
     packed = K.pack_int4_cpu(q)
     assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
-    assert torch.equal(K.unpack_int4_cpu(packed, 32, 96), q[32:96])
+    assert torch.equal(K.unpack_int4_cpu(packed, block, 3 * block), q[block:])
     assert torch.equal(K.unpack_nibbles(K.pack_nibbles(q)), q)
 
 
@@ -94,7 +97,7 @@ def test_cpu_int4_layout_is_understood() -> None:
 @pytest.mark.parametrize("dense", [False, True])
 def test_int4_kernel_matches_reference(rows: int, dense: bool) -> None:
     """torch's kernel computes w = (q - 8) * scale + zero; the dense path agrees."""
-    n, k, group = 96, 256, 32
+    n, k, group = 128, 256, 32  # whole blocks of torch's layout (32 or 64 rows)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     sz = torch.stack([torch.rand(k // group, n) * 0.1, torch.randn(k // group, n) * 0.1], -1)
     sz = sz.bfloat16()

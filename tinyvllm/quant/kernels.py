@@ -21,9 +21,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# torch's CPU int4 layout interleaves blocks of 32 output rows (16-row tails differ, so we
-# pad N to a multiple of 32 instead of decoding them).
-CPU_INT4_BLOCK_ROWS = 32
+# torch's CPU int4 layout interleaves blocks of output rows: 32 on AVX2 builds, 64 where torch
+# dispatches to AVX-512. Shorter tails are laid out differently, so N is padded to a whole block
+# instead of decoding them; the candidates are tried in `cpu_int4_block_rows`.
+CPU_INT4_BLOCK_CANDIDATES = (32, 64)
 # Output rows dequantized at once on the dense path: a slab stays cache-sized.
 DENSE_SLAB_ROWS = 512
 # Batch rows from which the dense path beats the packed kernel (benchmarks/quant_matmul.py
@@ -55,44 +56,62 @@ def pack_int4_cpu(q: torch.Tensor) -> torch.Tensor:
     The conversion op wants int32 input; converting in row blocks bounds that transient.
     """
     n = q.shape[0]
-    if n % CPU_INT4_BLOCK_ROWS:
-        raise ValueError(f"CPU int4 packing needs a multiple of 32 rows, got {n}")
+    block = cpu_int4_block_rows()
+    if n % block:
+        raise ValueError(f"CPU int4 packing needs a multiple of {block} rows, got {n}")
     convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
     if not cpu_int4_layout_known():
         return convert(q.to(torch.int32), 1)
-    step = 64 * CPU_INT4_BLOCK_ROWS
+    step = 64 * block
     return torch.cat([convert(q[i : i + step].to(torch.int32), 1) for i in range(0, n, step)])
 
 
 def unpack_int4_cpu(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) (multiples of 32) of a `pack_int4_cpu` weight as uint8 [rows, K].
+    """Rows [start, stop) (whole blocks) of a `pack_int4_cpu` weight as uint8 [rows, K].
 
-    Byte (block b, column k, lane j) holds row 32b + j in its low and 32b + 16 + j in its
-    high nibble.
+    With B = `cpu_int4_block_rows()`, byte (block b, column k, lane j) holds row B*b + j in its
+    low and B*b + B/2 + j in its high nibble.
     """
-    half = CPU_INT4_BLOCK_ROWS // 2
+    half = cpu_int4_block_rows() // 2
     k = packed.shape[1] * 2
     blocks = packed[start:stop].reshape(-1, k, half)
     rows = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [blocks, K, 32]
     return rows.transpose(1, 2).reshape(stop - start, k)
 
 
-@functools.cache
-def cpu_int4_layout_known() -> bool:
-    """Whether this torch packs int4 the way `unpack_int4_cpu` reads it, row-block by
-    row-block. The layout is an implementation detail of torch; if it ever changes, the
-    packed kernel still works and only the dense path (which unpacks) is given up."""
-    q = torch.randint(0, 16, (2 * CPU_INT4_BLOCK_ROWS, 64), dtype=torch.uint8)
+def _layout_matches(block: int) -> bool:
+    """Whether torch packs int4 in `block`-row blocks the way `unpack_int4_cpu` reads them."""
+    q = torch.randint(0, 16, (2 * block, 64), dtype=torch.uint8)
     convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
     try:
         whole = convert(q.to(torch.int32), 1)
-        tail = convert(q[CPU_INT4_BLOCK_ROWS:].to(torch.int32), 1)
+        tail = convert(q[block:].to(torch.int32), 1)
     except RuntimeError:
         return False
-    return bool(
-        torch.equal(unpack_int4_cpu(whole, 0, q.shape[0]), q)
-        and torch.equal(whole[CPU_INT4_BLOCK_ROWS:], tail)
-    )
+    half = block // 2
+    blocks = whole.reshape(-1, 64, half)
+    rows = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).transpose(1, 2).reshape(2 * block, 64)
+    return bool(torch.equal(rows, q) and torch.equal(whole[block:], tail))
+
+
+@functools.cache
+def _detected_block_rows() -> int | None:
+    return next((b for b in CPU_INT4_BLOCK_CANDIDATES if _layout_matches(b)), None)
+
+
+def cpu_int4_block_rows() -> int:
+    """Rows per interleaved block of this torch's CPU int4 layout (the padding unit of N).
+    When the layout is not one we know, the largest candidate is used, which every known
+    layout divides."""
+    return _detected_block_rows() or max(CPU_INT4_BLOCK_CANDIDATES)
+
+
+def cpu_int4_layout_known() -> bool:
+    """Whether this torch packs int4 the way `unpack_int4_cpu` reads it, row-block by
+    row-block. The layout is an implementation detail of torch (and of the CPU it dispatches
+    to); if it ever changes, the packed kernel still works and only the dense path (which
+    unpacks) is given up."""
+    return _detected_block_rows() is not None
 
 
 # --- dequantization ---------------------------------------------------------------------

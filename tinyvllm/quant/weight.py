@@ -158,7 +158,7 @@ class QuantizedWeight(nn.Module):
         scale = torch.cat([p.scale for p in parts])
         zero = torch.cat([p.zero for p in parts])
         if self.device.type == "cpu":
-            pad = -self.out_features % kernels.CPU_INT4_BLOCK_ROWS
+            pad = -self.out_features % kernels.cpu_int4_block_rows()
             if pad:  # padding rows compute zeros that `int4_linear` drops
                 q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
                 scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
