@@ -1,7 +1,7 @@
 """SVG snapshots of the model, chat and stats screens (pytest-textual-snapshot).
 
 The scripted backend makes them deterministic: a fixed catalog, a canned answer with a fixed
-summary, frozen engine stats (constant values, so the sparklines do not depend on how many
+summary, frozen engine stats (constant values, so the rate charts do not depend on how many
 times the panel polled), a fixed clock and time zone for the event log, no blinking cursors.
 Update after an intended change with `pytest tests/test_tui_snapshots.py --snapshot-update`
 and look at the report before committing.
