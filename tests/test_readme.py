@@ -19,9 +19,11 @@ import pytest
 from tinyvllm.catalog import load_catalog, locate
 from tinyvllm.gguf.bundled import SMOLLM2, smollm2_gguf_path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 NOT_RUN = "<!-- not-run -->"
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+_BASH = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,21 @@ def test_real_model_found_in_tinyvllm_cache(
     cached.parent.mkdir(parents=True)
     cached.write_bytes(b"GGUF")
     assert smollm2_gguf_path() == cached
+
+
+def _commands(script: str, prefix: str) -> list[str]:
+    """The lines of `script` that run `prefix`, comments and --quiet dropped."""
+    lines = (line.split("#", 1)[0].replace(" --quiet", "").strip() for line in script.splitlines())
+    return [line.removeprefix("python -m ") for line in lines if prefix in line]
+
+
+def test_ci_installs_and_tests_exactly_as_the_readme_says() -> None:
+    text = README.read_text()
+    install = text[text.index("## Install") :]
+    cpu = _BASH.search(install)
+    tests = _BASH.search(text[text.index("## Tests") :])
+    assert cpu is not None and tests is not None
+    ci = (ROOT / ".ci" / "run").read_text()
+    pip = [c for c in _commands(ci, "pip install") if "--upgrade pip" not in c]
+    assert pip == _commands(cpu.group(1), "pip install")
+    assert _commands(ci, "pytest") == _commands(tests.group(1), "pytest")
