@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual import events
 from textual.widgets import DataTable, Input, Static
 from tui_helpers import load_via_model_screen, model_screen, run, wait_until
 
@@ -43,9 +44,21 @@ def test_typing_on_the_model_screen_goes_to_the_model_field() -> None:
             table = app.screen.query_one("#catalog", DataTable)
             spec = app.screen.query_one("#spec", Input)
             assert app.focused is table  # arrows pick a row at once
-            await pilot.press(*"Qwen3-0.6B")
-            assert spec.value == "Qwen3-0.6B" and app.focused is spec
+            await pilot.press(*"Qwen3")
+            assert spec.value == "Qwen3" and app.focused is spec
             await pilot.press("enter")  # loads what was typed, not the highlighted default
+            error = app.screen.query_one("#load-error", Static)
+            await wait_until(pilot, lambda: error.display, "the error")
+            assert "'Qwen3' is not in the catalog" in text_of(error)
+
+            # A terminal sends a pasted or fast-typed name in one burst: every key reaches the
+            # table before the focus moves, and none may be lost.
+            table.focus()
+            await pilot.pause()
+            for char in "Qwen3-0.6B":
+                app.post_message(events.Key(char, char))
+            await wait_until(pilot, lambda: spec.value == "Qwen3-0.6B", "the whole name")
+            await pilot.press("enter")
             await wait_until(pilot, lambda: app.loaded is not None, "the load")
             assert app.sub_title == "Qwen3-0.6B"
 

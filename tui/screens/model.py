@@ -8,6 +8,7 @@ from rich.text import Text
 from textual import events, on, work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, ProgressBar, Static
 
@@ -25,6 +26,22 @@ HELP = (
 DESCRIPTION_MARGIN = 4
 
 
+class CatalogTable(DataTable[object]):
+    """The catalog rows. It has the focus at start (arrows pick a row); printable keys are
+    posted as `Typed` for the model field instead of being dropped."""
+
+    class Typed(Message):
+        def __init__(self, character: str) -> None:
+            super().__init__()
+            self.character = character
+
+    def on_key(self, event: events.Key) -> None:
+        if event.is_printable and event.character:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Typed(event.character))
+
+
 class ModelScreen(Screen[None]):
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +57,7 @@ class ModelScreen(Screen[None]):
         with Vertical(id="model-body"):
             yield Static(HELP, id="model-help")
             yield Input(placeholder="Search the catalog", id="search")
-            yield DataTable(id="catalog", cursor_type="row", zebra_stripes=True)
+            yield CatalogTable(id="catalog", cursor_type="row", zebra_stripes=True)
             yield Static("", id="catalog-empty")
             with Horizontal(id="load-row"):
                 # No select-all on focus: keys sent here from the table must add up.
@@ -92,16 +109,15 @@ class ModelScreen(Screen[None]):
             self.refresh_catalog(self.query_one("#search", Input).value)
             table.move_cursor(row=row)
 
-    def on_key(self, event: events.Key) -> None:
-        # The table has the focus at start (arrows pick a row), but typing is meant for the
-        # model field: send the key there instead of dropping it, so Enter loads what was typed.
-        if self.focused is self.query_one(DataTable) and event.is_printable and event.character:
-            spec = self.query_one("#spec", Input)
-            spec.value = event.character
-            spec.cursor_position = len(spec.value)
-            self.set_focus(spec)  # at once: focus() would move it only after the queued keys
-            event.stop()
-            event.prevent_default()
+    def on_catalog_table_typed(self, message: CatalogTable.Typed) -> None:
+        # Typing over the table starts a new name in the model field (Enter then loads what was
+        # typed, not the highlighted row); the keys of the same burst that the terminal had
+        # already sent to the table follow it there.
+        spec = self.query_one("#spec", Input)
+        if self.focused is not spec:
+            spec.value = ""
+            self.set_focus(spec)  # at once, not after the queued keys as focus() would
+        spec.insert_text_at_cursor(message.character)
 
     @on(Input.Changed, "#search")
     def _search(self, event: Input.Changed) -> None:
