@@ -58,9 +58,13 @@ def test_typing_on_the_model_screen_goes_to_the_model_field() -> None:
             for char in "Qwen3-0.6B":
                 app.post_message(events.Key(char, char))
             await wait_until(pilot, lambda: spec.value == "Qwen3-0.6B", "the whole name")
+            table.focus()
+            await pilot.pause()
+            app.post_message(events.Paste("Qwen3-1.7B\n"))  # a paste replaces it too
+            await wait_until(pilot, lambda: spec.value == "Qwen3-1.7B", "the pasted name")
             await pilot.press("enter")
             await wait_until(pilot, lambda: app.loaded is not None, "the load")
-            assert app.sub_title == "Qwen3-0.6B"
+            assert app.sub_title == "Qwen3-1.7B"
 
     run(main())
 

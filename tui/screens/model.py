@@ -27,19 +27,25 @@ DESCRIPTION_MARGIN = 4
 
 
 class CatalogTable(DataTable[object]):
-    """The catalog rows. It has the focus at start (arrows pick a row); printable keys are
-    posted as `Typed` for the model field instead of being dropped."""
+    """The catalog rows. It has the focus at start (arrows pick a row); printable keys and
+    pastes are posted as `Typed` for the model field instead of being dropped."""
 
     class Typed(Message):
-        def __init__(self, character: str) -> None:
+        def __init__(self, text: str) -> None:
             super().__init__()
-            self.character = character
+            self.text = text
 
     def on_key(self, event: events.Key) -> None:
         if event.is_printable and event.character:
             event.stop()
             event.prevent_default()
             self.post_message(self.Typed(event.character))
+
+    def on_paste(self, event: events.Paste) -> None:
+        text = " ".join(event.text.split())  # a name is one line
+        if text:
+            event.stop()
+            self.post_message(self.Typed(text))
 
 
 class ModelScreen(Screen[None]):
@@ -117,7 +123,7 @@ class ModelScreen(Screen[None]):
         if self.focused is not spec:
             spec.value = ""
             self.set_focus(spec)  # at once, not after the queued keys as focus() would
-        spec.insert_text_at_cursor(message.character)
+        spec.insert_text_at_cursor(message.text)
 
     @on(Input.Changed, "#search")
     def _search(self, event: Input.Changed) -> None:
