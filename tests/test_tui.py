@@ -6,7 +6,6 @@ snapshots in test_tui_snapshots.py.
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,7 +13,15 @@ from dataclasses import replace
 import pytest
 from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input, Static
-from tui_helpers import last_answer, load_via_model_screen, prompt_text, send, wait_until
+from tui_helpers import (
+    last_answer,
+    load_via_model_screen,
+    model_screen,
+    prompt_text,
+    run,
+    send,
+    wait_until,
+)
 
 from tinyvllm.core.kv_cache_manager import BlockInfo
 from tinyvllm_tui.app import TinyVLLMApp
@@ -26,10 +33,6 @@ from tinyvllm_tui.widgets.prompt import PromptInput
 from tinyvllm_tui.widgets.stats_panel import REFRESH_S, StatsPanel
 
 SIZE = (120, 36)
-
-
-def run(coro: object) -> None:
-    asyncio.run(asyncio.wait_for(coro, 120))  # type: ignore[arg-type]
 
 
 def test_group_cells_folds_blocks_and_prefers_in_use() -> None:
@@ -58,9 +61,9 @@ def test_load_stream_stop_and_new_chat() -> None:
         backend = ScriptedBackend(delay=0.02)
         app = TinyVLLMApp(backend=backend)
         async with app.run_test(size=SIZE) as pilot:
-            await load_via_model_screen(pilot, "smollm2-135m")
-            assert app.sub_title == "smollm2-135m"
-            assert any("loaded smollm2-135m" in e.text for e in app.events)
+            await load_via_model_screen(pilot, "SmolLM2-135M-Instruct")
+            assert app.sub_title == "SmolLM2-135M-Instruct"
+            assert any("loaded SmolLM2-135M-Instruct" in e.text for e in app.events)
 
             # A full answer streams in and gets its summary line.
             session = app.chat.session
@@ -106,13 +109,15 @@ def test_catalog_search_and_load_error_in_place() -> None:
     async def main() -> None:
         app = TinyVLLMApp(backend=ScriptedBackend())
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.screen.query("#catalog"), "the model screen")
+            await model_screen(pilot)
             table = app.screen.query_one("#catalog", DataTable)
-            assert table.row_count == 3
-            app.screen.query_one("#search", Input).value = "llama"
+            assert table.row_count == len(app.backend.catalog())
+            app.screen.query_one("#search", Input).value = "360m"
             await wait_until(pilot, lambda: table.row_count == 1, "the filtered catalog")
             spec = app.screen.query_one("#spec", Input)
-            await wait_until(pilot, lambda: spec.value == "llama-3.2-1b", "the highlighted row")
+            await wait_until(
+                pilot, lambda: spec.value == "SmolLM2-360M-Instruct", "the highlighted row"
+            )
             spec.value = "no-such-model"
             await pilot.click("#load")
             error = app.screen.query_one("#load-error", Static)
@@ -132,7 +137,7 @@ def test_stats_panel_polls_while_busy_and_pauses_when_idle() -> None:
     async def main() -> None:
         app = TinyVLLMApp(backend=ScriptedBackend(stats=script))
         async with app.run_test(size=SIZE) as pilot:
-            await load_via_model_screen(pilot, "smollm2-135m")
+            await load_via_model_screen(pilot, "SmolLM2-135M-Instruct")
             panel = app.chat.query_one(StatsPanel)
             await wait_until(pilot, lambda: not panel.polling, "the idle pause")
             assert panel.stats is not None and panel.stats.total_generation_tokens == 1300
@@ -159,7 +164,7 @@ def test_command_palette_and_screens() -> None:
     async def main() -> None:
         app = TinyVLLMApp(backend=ScriptedBackend())
         async with app.run_test(size=SIZE) as pilot:
-            await load_via_model_screen(pilot, "smollm2-135m")
+            await load_via_model_screen(pilot, "SmolLM2-135M-Instruct")
             await pilot.press("ctrl+p")
             await pilot.press(*"show log")
             await wait_until(
@@ -193,7 +198,7 @@ def test_follows_the_end_only_while_the_user_is_there() -> None:
     async def main() -> None:
         app = TinyVLLMApp(backend=ScriptedBackend(answer=long_answer, delay=0.01))
         async with app.run_test(size=SIZE) as pilot:
-            await load_via_model_screen(pilot, "smollm2-135m")
+            await load_via_model_screen(pilot, "SmolLM2-135M-Instruct")
             conversation = app.chat.query_one(Conversation)
             await send(pilot, "count")
             await wait_until(pilot, lambda: conversation.max_scroll_y > 10, "an overflow")

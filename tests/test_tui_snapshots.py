@@ -1,7 +1,7 @@
 """SVG snapshots of the model, chat and stats screens (pytest-textual-snapshot).
 
 The scripted backend makes them deterministic: a fixed catalog, a canned answer with a fixed
-summary, frozen engine stats (constant values, so the sparklines do not depend on how many
+summary, frozen engine stats (constant values, so the rate charts do not depend on how many
 times the panel polled), a fixed clock and time zone for the event log, no blinking cursors.
 Update after an intended change with `pytest tests/test_tui_snapshots.py --snapshot-update`
 and look at the report before committing.
@@ -23,7 +23,9 @@ from tinyvllm_tui.widgets.stats_panel import StatsPanel
 
 pytest.importorskip("pytest_textual_snapshot")
 
-SIZE = (120, 36)
+# The smallest common terminal (the stats panel hides itself there) and a roomy one.
+SIZES = [(80, 24), (160, 48)]
+sizes = pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 CLOCK = 1_750_000_000.0  # any fixed instant
 
 
@@ -45,7 +47,7 @@ def make_app() -> TinyVLLMApp:
 async def _answered(pilot: Pilot) -> None:
     app = pilot.app
     assert isinstance(app, TinyVLLMApp)
-    await load_via_model_screen(pilot, "smollm2-135m")
+    await load_via_model_screen(pilot, "SmolLM2-135M-Instruct")
     session = app.chat.session
     assert session is not None
     await send(pilot, "What is the capital of France?")
@@ -54,17 +56,19 @@ async def _answered(pilot: Pilot) -> None:
     await pilot.pause()
 
 
-def test_model_screen(snap_compare: object) -> None:
+@sizes
+def test_model_screen(snap_compare: object, size: tuple[int, int]) -> None:
     app = make_app()
 
     async def run_before(pilot: Pilot) -> None:
         await wait_until(pilot, lambda: app.screen.query("#catalog"), "the model screen")
         freeze_cursors(app)
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)  # type: ignore[operator]
+    assert snap_compare(app, terminal_size=size, run_before=run_before)  # type: ignore[operator]
 
 
-def test_chat_screen(snap_compare: object) -> None:
+@sizes
+def test_chat_screen(snap_compare: object, size: tuple[int, int]) -> None:
     app = make_app()
 
     async def run_before(pilot: Pilot) -> None:
@@ -72,10 +76,11 @@ def test_chat_screen(snap_compare: object) -> None:
         freeze_cursors(app)
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)  # type: ignore[operator]
+    assert snap_compare(app, terminal_size=size, run_before=run_before)  # type: ignore[operator]
 
 
-def test_stats_screen(snap_compare: object) -> None:
+@sizes
+def test_stats_screen(snap_compare: object, size: tuple[int, int]) -> None:
     app = make_app()
 
     async def run_before(pilot: Pilot) -> None:
@@ -86,4 +91,4 @@ def test_stats_screen(snap_compare: object) -> None:
         freeze_cursors(app)
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)  # type: ignore[operator]
+    assert snap_compare(app, terminal_size=size, run_before=run_before)  # type: ignore[operator]

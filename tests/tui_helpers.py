@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from textual.pilot import Pilot
 from textual.widgets import Input, TextArea
@@ -12,6 +14,11 @@ from tinyvllm_tui.app import TinyVLLMApp
 from tinyvllm_tui.screens.chat import ChatScreen
 from tinyvllm_tui.widgets.conversation import AssistantMessage
 from tinyvllm_tui.widgets.prompt import PromptInput
+
+
+def run(coro: Coroutine[Any, Any, None], timeout: float = 120.0) -> None:
+    """Run a pilot test's coroutine, failing (not hanging) after `timeout` seconds."""
+    asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 async def wait_until(
@@ -38,11 +45,16 @@ def prompt_text(app: TinyVLLMApp) -> str:
     return app.chat.query_one(PromptInput).text
 
 
+async def model_screen(pilot: Pilot) -> None:
+    """Wait for the model screen (the first screen) to be up."""
+    await wait_until(pilot, lambda: pilot.app.screen.query("#catalog"), "the model screen")
+
+
 async def load_via_model_screen(pilot: Pilot, spec: str, timeout: float = 60.0) -> None:
     """Type `spec` into the model screen's input, press Enter, wait for the chat screen."""
     app = pilot.app
     assert isinstance(app, TinyVLLMApp)
-    await wait_until(pilot, lambda: app.screen.query("#spec"), "the model screen")
+    await model_screen(pilot)
     spec_input = app.screen.query_one("#spec", Input)
     spec_input.value = spec
     spec_input.focus()

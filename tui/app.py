@@ -122,9 +122,11 @@ class TinyVLLMApp(App[None]):
         detail = f" ({loaded.detail})" if loaded.detail else ""
         self.log_event(f"loaded {loaded.name}{detail} in {loaded.seconds:.1f} s")
         session = self.backend.session(loaded.llm, lambda text: self.log_event(text, "warning"))
-        chat = await self.show_chat()
-        await chat.attach(session, loaded.name)
-        self.loaded = loaded  # only now: `loaded` means ready to chat
+        # Session and engine first, then the screen: shown the other way round, the chat would
+        # first draw "No model loaded" and its stats panel an empty cache.
+        await self.chat.attach(session, loaded.name)
+        self.loaded = loaded  # `loaded` means ready to chat
+        await self.show_chat()
         self.engine_activity.publish(None)
 
     def on_load_failed(self, message: LoadFailed) -> None:

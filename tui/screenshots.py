@@ -84,7 +84,7 @@ async def take(model: str, out: Path, max_model_len: int, num_blocks: int) -> li
             await pilot.press("f4")
             await _wait(pilot, lambda: isinstance(app.screen, StatsScreen), "stats screen", 30)
             panel = app.screen.query_one(StatsPanel)
-            # A few seconds of generation, so the sparklines and latencies have something.
+            # A few seconds of generation, so the rate charts and latencies have something.
             await _wait(
                 pilot,
                 lambda: (

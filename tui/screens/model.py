@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from textual import on, work
+from rich.text import Text
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, ProgressBar, Static
 
@@ -20,12 +22,37 @@ HELP = (
     "Pick a catalog entry (Enter loads it) or type a catalog name, a hub id, a local directory "
     "or a .gguf file below."
 )
+# Cells the description column cannot use: its own padding (2) and the table's scrollbar (2).
+DESCRIPTION_MARGIN = 4
+
+
+class CatalogTable(DataTable[object]):
+    """The catalog rows. It has the focus at start (arrows pick a row); printable keys and
+    pastes are posted as `Typed` for the model field instead of being dropped."""
+
+    class Typed(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    def on_key(self, event: events.Key) -> None:
+        if event.is_printable and event.character:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Typed(event.character))
+
+    def on_paste(self, event: events.Paste) -> None:
+        text = " ".join(event.text.split())  # a name is one line
+        if text:
+            event.stop()
+            self.post_message(self.Typed(text))
 
 
 class ModelScreen(Screen[None]):
     def __init__(self) -> None:
         super().__init__()
         self.load_busy = False
+        self._width = 0  # the width the descriptions were cut for
 
     @property
     def tui(self) -> TinyVLLMApp:
@@ -36,9 +63,15 @@ class ModelScreen(Screen[None]):
         with Vertical(id="model-body"):
             yield Static(HELP, id="model-help")
             yield Input(placeholder="Search the catalog", id="search")
-            yield DataTable(id="catalog", cursor_type="row", zebra_stripes=True)
+            yield CatalogTable(id="catalog", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="catalog-empty")
             with Horizontal(id="load-row"):
-                yield Input(placeholder="catalog name, hub id, directory or .gguf file", id="spec")
+                # No select-all on focus: keys sent here from the table must add up.
+                yield Input(
+                    placeholder="catalog name, hub id, directory or .gguf file",
+                    id="spec",
+                    select_on_focus=False,
+                )
                 yield Button("Load", id="load", variant="primary")
             yield ProgressBar(id="progress", show_eta=False)
             yield Static("", id="load-status")
@@ -46,11 +79,10 @@ class ModelScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        table = self.query_one(DataTable)
-        table.add_columns("model", "size", "on disk", "description")
         self.query_one(ProgressBar).display = False
+        self.query_one("#catalog-empty").display = False
         self.refresh_catalog("")
-        table.focus()
+        self.query_one(DataTable).focus()
         if self.tui.initial_model:
             self.query_one("#spec", Input).value = self.tui.initial_model
             self.start_load(self.tui.initial_model)
@@ -58,14 +90,40 @@ class ModelScreen(Screen[None]):
     # ---- catalog ----------------------------------------------------------------------------
     def refresh_catalog(self, query: str) -> None:
         table = self.query_one(DataTable)
-        table.clear()
+        table.clear(columns=True)
+        table.add_columns(*COLUMNS)
         try:
             rows = self.tui.backend.catalog(query)
         except Exception as exc:  # a broken catalog must not keep local paths from loading
             self._error(f"Catalog unavailable: {exc}")
             return
-        for row in rows:
-            table.add_row(*_cells(row), key=row.name)
+        self._width = self.query_one("#model-body").content_size.width
+        for row, cells in zip(rows, table_cells(rows, self._width), strict=True):
+            table.add_row(*cells, key=row.name)
+        empty = self.query_one("#catalog-empty", Static)
+        empty.display = not rows and bool(query.strip())
+        if empty.display:
+            empty.update(
+                f"No catalog model matches {query.strip()!r}: type a hub id, a local directory "
+                "or a .gguf file below."
+            )
+
+    def on_resize(self) -> None:
+        if self.query_one("#model-body").content_size.width != self._width:
+            table = self.query_one(DataTable)
+            row = table.cursor_row
+            self.refresh_catalog(self.query_one("#search", Input).value)
+            table.move_cursor(row=row)
+
+    def on_catalog_table_typed(self, message: CatalogTable.Typed) -> None:
+        # Typing over the table starts a new name in the model field (Enter then loads what was
+        # typed, not the highlighted row); the keys of the same burst that the terminal had
+        # already sent to the table follow it there.
+        spec = self.query_one("#spec", Input)
+        if self.focused is not spec:
+            spec.value = ""
+            self.set_focus(spec)  # at once, not after the queued keys as focus() would
+        spec.insert_text_at_cursor(message.text)
 
     @on(Input.Changed, "#search")
     def _search(self, event: Input.Changed) -> None:
@@ -73,8 +131,11 @@ class ModelScreen(Screen[None]):
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self, event: DataTable.RowHighlighted) -> None:
+        spec = self.query_one("#spec", Input)
+        if self.focused is spec:
+            return  # never overwrite what is being typed (a resize rebuilds the table)
         if event.row_key.value is not None and not self.load_busy:
-            self.query_one("#spec", Input).value = event.row_key.value
+            spec.value = event.row_key.value
 
     @on(DataTable.RowSelected)
     def _selected(self, event: DataTable.RowSelected) -> None:
@@ -148,6 +209,31 @@ class ModelScreen(Screen[None]):
         error.display = bool(text)
 
 
-def _cells(row: CatalogRow) -> tuple[str, str, str, str]:
+COLUMNS = ("model", "size", "on disk", "description")
+# Below this many cells for the descriptions, "on disk" says only ✓ to make room.
+MIN_DESCRIPTION = 24
+
+
+def table_cells(rows: list[CatalogRow], width: int) -> list[tuple[str, str, str, Text]]:
+    """The catalog's cells for a table `width` cells wide: descriptions cut with an ellipsis
+    to the room left (DataTable would crop them mid-word, or scroll sideways)."""
+    room = 0
+    for compact in (False, True):
+        cells = [_cells(row, compact) for row in rows]
+        widths = [max([len(c[i]) for c in cells] + [len(COLUMNS[i])]) + 2 for i in range(3)]
+        room = width - sum(widths) - DESCRIPTION_MARGIN
+        if room >= MIN_DESCRIPTION:
+            break
+    room = max(room, len(COLUMNS[-1]))
+    return [(*c, _ellipsis(row.description, room)) for row, c in zip(rows, cells, strict=True)]
+
+
+def _cells(row: CatalogRow, compact: bool) -> tuple[str, str, str]:
     name = f"{row.name} (default)" if row.default else row.name
-    return name, row.size, f"✓ {row.on_disk}" if row.on_disk else "download", row.description
+    if not row.on_disk:
+        return name, row.size, "download"
+    return name, row.size, "✓" if compact else f"✓ {row.on_disk}"
+
+
+def _ellipsis(text: str, width: int) -> Text:
+    return Text(text if len(text) <= width else text[: width - 1].rstrip() + "…")

@@ -1,9 +1,9 @@
 """Live engine statistics: KV block map, cache hit rate, queues, throughput, latency, spec decode.
 
 The panel polls `source()` (an `EngineStats` or None) every REFRESH_S seconds while it is on
-the active screen. When no request is in flight and nothing changed since the last poll the
-timer pauses; `wake()` (called through the app's engine-activity signal, or when the panel is
-shown again) resumes it.
+the active screen. When no request is in flight, nothing changed since the last poll and the
+throughput (over the engine's recent window) has decayed to zero, the timer pauses; `wake()`
+(called through the app's engine-activity signal, or when the panel is shown again) resumes it.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.signal import Signal
 from textual.timer import Timer
-from textual.widgets import Sparkline, Static
+from textual.widgets import Static
 
 from tinyvllm_tui.widgets.block_map import BlockMap
+from tinyvllm_tui.widgets.rate_bars import RateBars
 
 if TYPE_CHECKING:
     from tinyvllm.engine.stats import EngineStats, LatencySummary
 
 REFRESH_S = 0.25
-HISTORY = 120  # sparkline points: 30 s at REFRESH_S
+HISTORY = 120  # rate chart points: 30 s at REFRESH_S
 
 StatsSource = Callable[[], "EngineStats | None"]
 
@@ -89,14 +90,14 @@ class StatsPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static("KV cache", classes="stats-title")
-        yield Static("no model loaded", id="kv-usage")
+        yield Static("", id="kv-usage")
         yield BlockMap(max_rows=self._map_rows, id="block-map")
         yield Static("", id="prefix")
         yield Static("", id="queues")
         yield Static("", id="prompt-tps")
-        yield Sparkline([], id="prompt-spark")
+        yield RateBars(id="prompt-spark")
         yield Static("", id="gen-tps")
-        yield Sparkline([], id="gen-spark")
+        yield RateBars(id="gen-spark")
         yield Static("", id="latency")
         yield Static("", id="spec")
 
@@ -105,7 +106,14 @@ class StatsPanel(Vertical):
         self.polling = True
         if self._activity is not None:
             self._activity.subscribe(self, self.wake)
-        self.sample()
+        # The first picture at once, even while the screen is still being shown: drawn empty
+        # first, the panel would flash "no model loaded".
+        stats = self._source()
+        if stats is None:
+            self.query_one("#kv-usage", Static).update("no model loaded")
+        else:
+            self._last_key = activity_key(stats)
+            self._show(stats)
 
     def on_show(self) -> None:
         self.wake()
@@ -116,6 +124,7 @@ class StatsPanel(Vertical):
         if self._timer is not None:
             self._timer.resume()
             self.polling = True
+            self.sample()  # at once: a panel just shown must not wait a tick to show the engine
 
     def _hidden(self) -> bool:
         return not (self.display and self.screen.is_active and self.is_on_screen)
@@ -128,11 +137,17 @@ class StatsPanel(Vertical):
             self._pause()
             return
         key = activity_key(stats)
-        if stats.num_running == 0 and stats.num_waiting == 0 and key == self._last_key:
-            # Nothing in flight and nothing moved: sleep until wake().
+        if _idle(stats) and key == self._last_key and not _moving(stats):
+            # Nothing in flight, nothing moved, the rates are down to zero: sleep until wake(),
+            # after showing the zero rates if the last picture still had some.
+            if self.stats is not None and _moving(self.stats):
+                self._show(stats)
             self._pause()
             return
         self._last_key = key
+        self._show(stats)
+
+    def _show(self, stats: EngineStats) -> None:
         self._prompt_history.append(stats.prompt_throughput)
         self._gen_history.append(stats.generation_throughput)
         self.stats = stats
@@ -165,10 +180,12 @@ class StatsPanel(Vertical):
             f"running {stats.num_running} · waiting {stats.num_waiting} · "
             f"preempted {stats.num_preempted_waiting} ({stats.total_preemptions} total)"
         )
-        q("#prompt-tps", Static).update(f"prompt     {stats.prompt_throughput:7.1f} tok/s")
-        q("#prompt-spark", Sparkline).data = list(self._prompt_history)
-        q("#gen-tps", Static).update(f"generation {stats.generation_throughput:7.1f} tok/s")
-        q("#gen-spark", Sparkline).data = list(self._gen_history)
+        # The rates cover the engine's recent window: after the last request they decay to zero.
+        idle = " · idle" if _idle(stats) else ""
+        q("#prompt-tps", Static).update(f"prompt     {stats.prompt_throughput:7.1f} tok/s{idle}")
+        q("#prompt-spark", RateBars).data = list(self._prompt_history)
+        q("#gen-tps", Static).update(f"generation {stats.generation_throughput:7.1f} tok/s{idle}")
+        q("#gen-spark", RateBars).data = list(self._gen_history)
         q("#latency", Static).update(
             fmt_percentiles("TTFT", stats.ttft) + "\n" + fmt_percentiles("ITL", stats.itl)
         )
@@ -179,3 +196,11 @@ class StatsPanel(Vertical):
                 f"spec {stats.spec_acceptance_rate:.1%} accepted · "
                 f"{stats.spec_mean_accepted_length:.2f} tok/step · K={stats.spec_current_k}"
             )
+
+
+def _idle(stats: EngineStats) -> bool:
+    return stats.num_running == 0 and stats.num_waiting == 0
+
+
+def _moving(stats: EngineStats) -> bool:
+    return stats.prompt_throughput > 0 or stats.generation_throughput > 0
