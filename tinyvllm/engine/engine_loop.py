@@ -121,11 +121,19 @@ class EngineLoop:
 
     def _loop(self) -> None:
         closing = False
+        # The last step scheduled nothing and changed nothing, so stepping again would spin:
+        # only a command (an add or an abort) can change what is schedulable.
+        stalled = False
         while True:
-            busy = self.engine.has_unfinished_requests() or self._needs_flush
+            unfinished = self.engine.has_unfinished_requests()
+            busy = self._needs_flush or (unfinished and not stalled)
             if closing and not busy:
+                if unfinished:  # stalled: draining would never end
+                    self._abort_all()
                 return
-            self._pending.extend(self._take_commands(block=not busy))
+            commands = self._take_commands(block=not busy)
+            stalled = stalled and not commands
+            self._pending.extend(commands)
             while self._pending:
                 command = self._pending[0]  # left queued until applied: a crash answers it
                 if isinstance(command, Add):
@@ -145,6 +153,11 @@ class EngineLoop:
                 # The runner drops finished rows at the next step; when that would be the idle
                 # wait, an empty step tells it now instead.
                 self._needs_flush = any(out.finished for out in outputs)
+                stalled = self.engine.last_step_empty and not outputs
+                if stalled and self.engine.has_unfinished_requests():
+                    logger.warning(
+                        "no request can be scheduled; waiting for new requests or aborts"
+                    )
                 self._dispatch(outputs)
 
     def _take_commands(self, block: bool) -> list[Command]:
