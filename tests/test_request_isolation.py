@@ -109,22 +109,35 @@ def test_bad_request_does_not_end_running_streams(llm: LLM) -> None:
 
 
 # ---- non-finite logits ----------------------------------------------------------------------
-def test_non_finite_logits_fail_the_request_not_the_batch(tiny_models) -> None:
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "verify"])
+def test_non_finite_logits_fail_the_request_not_the_batch(tiny_models, speculative) -> None:
     import torch
+    from test_spec_decode import NGRAM, OracleProposer, _always_speculate
 
-    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=128)
-    good0, good1 = prompts(2, seed=4)
-    expected = [o.outputs[0].token_ids for o in generate(llm, [good0, good1], greedy())]
-    seen = {t for seq in [good0, good1, *expected] for t in seq}
-    poison = next(t for t in range(10, 1000) if t not in seen)
-    # NaN in one token's embedding: only a sequence containing it computes NaN logits.
+    kwargs: dict[str, Any] = {"speculative_config": NGRAM} if speculative else {}
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=128, **kwargs)
+    victim, good0, good1 = prompts(3, seed=4)
+    batch = [good0, victim, good1]
+    expected = [o.outputs[0].token_ids for o in generate(llm, batch, greedy())]
+    if speculative:  # every step verifies drafts (mostly right ones)
+        _always_speculate(llm)
+        llm.engine.runner.speculator.proposer = OracleProposer(
+            [p + e for p, e in zip(batch, expected, strict=True)]
+        )
+    # NaN in the embedding of a token only the victim reads (its 4th output, or a draft of
+    # it): from then on the victim's logits are NaN, and nobody else's.
+    seen = {t for i, seq in enumerate([*batch, *expected]) if i not in (1, 4) for t in seq}
+    poison = next(t for t in expected[1][3:] if t not in seen and t not in victim)
     embedding = next(p for name, p in llm.engine.runner.model.named_parameters() if "embed" in name)
     with torch.no_grad():
         embedding[poison] = float("nan")
-    outs = generate(llm, [good0, [poison, 11, 12], good1], greedy())
-    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == expected
+    outs = generate(llm, batch, greedy())
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == expected[::2]
     failed = outs[1].outputs[0]
-    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert failed.finish_reason == "error"
+    cut = expected[1].index(poison)
+    assert failed.token_ids == expected[1][: len(failed.token_ids)]
+    assert len(failed.token_ids) <= cut + 1
     assert "not finite" in outs[1].error and "NaN" in outs[1].error
     assert_engine_clean(llm.engine)
 
