@@ -217,3 +217,16 @@ def test_engine_thread_waits_when_nothing_is_schedulable(llm: LLM, monkeypatch) 
     finally:
         a.shutdown(timeout=TIMEOUT)
     assert_engine_clean(engine)
+
+
+def test_generate_raises_instead_of_spinning_when_nothing_is_schedulable(
+    llm: LLM, monkeypatch
+) -> None:
+    (prompt,) = prompts(1, seed=8)
+    monkeypatch.setattr(llm.engine.scheduler.config, "max_num_batched_tokens", 0)
+    with pytest.raises(RuntimeError, match="1 request\\(s\\) cannot be scheduled"):
+        generate(llm, [prompt], greedy(4))
+    monkeypatch.undo()
+    llm.engine.step()  # the runner drops what the aborted request left behind
+    assert_engine_clean(llm.engine)
+    assert generate(llm, [prompt], greedy(4))[0].outputs[0].finish_reason == "length"

@@ -136,6 +136,12 @@ class LLM:
                             f"in: {num_in / elapsed:.0f} tok/s, out: {num_out / elapsed:.0f} tok/s"
                         )
                         bar.update(1)
+                if self.engine.last_step_empty and self.engine.has_unfinished_requests():
+                    # Nothing else can change what is schedulable here: stepping on would spin.
+                    raise RuntimeError(
+                        f"{self.engine.get_num_unfinished_requests()} request(s) cannot be "
+                        "scheduled (check max_num_batched_tokens and the KV cache size)"
+                    )
         except BaseException:
             self.engine.abort_request([r for r in request_ids if r not in results])
             raise
