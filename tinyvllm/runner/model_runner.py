@@ -149,7 +149,7 @@ class ModelRunner:
             sampled, logprobs = self._sample(batch, hidden)
         states.num_computed_tokens[batch.rows] += batch.num_scheduled
         for i, rid in enumerate(req_ids):
-            if sampled[i] and sampled[i][0] < 0:  # the rows' logits were not finite
+            if sampled[i] and sampled[i][0] < 0:  # its logits were not finite
                 failed[rid] = NON_FINITE_LOGITS
                 sampled[i] = []
         proposals: dict[str, list[int]] = {}
