@@ -15,7 +15,7 @@ import pytest
 
 from tinyvllm import LLM, EngineArgs, RequestOutput, RequestOutputKind, SamplingParams
 from tinyvllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestError
-from tinyvllm.engine.engine import Engine
+from tinyvllm.engine.engine import Engine, child_request_id
 
 # One intra-op thread: see the fixture in conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -301,7 +301,7 @@ def test_failing_request_raises_request_error_others_finish(
 
     def flaky(request_id: str, new_token_ids: list[int], *args: Any) -> str | None:
         child = processor.children[request_id]
-        if request_id == "boom" and len(child.token_ids) >= 3:
+        if request_id == child_request_id("boom", 0) and len(child.token_ids) >= 3:
             raise RuntimeError("detokenizer exploded")
         return on_tokens(request_id, new_token_ids, *args)
 
@@ -350,7 +350,7 @@ def test_n_samples_stream_and_a_failing_sample(llm: LLM, start, monkeypatch) -> 
     on_tokens = processor.on_tokens
 
     def flaky(request_id: str, *args: Any) -> str | None:
-        if request_id == "1_pair":
+        if request_id == child_request_id("pair", 1):
             raise RuntimeError("sample 1 broke")
         return on_tokens(request_id, *args)
 

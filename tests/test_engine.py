@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tinyvllm import LLM, RequestOutputKind, SamplingParams
-from tinyvllm.engine.engine import Engine
+from tinyvllm.engine.engine import Engine, child_request_id
 from tinyvllm.parity import hf_greedy, hf_token_logprobs, load_hf_reference
 
 # Lengths chosen to cross 16-token block boundaries (and the mistral fixture's window of 8).
@@ -226,7 +226,7 @@ def test_bad_request_does_not_affect_others(llama_llm) -> None:
     engine.add_request("good1", {"prompt_token_ids": prompts[1]}, params)
     # A request whose output processing raises ends with an error; the others finish.
     engine.add_request("boom", {"prompt_token_ids": prompts[0]}, params)
-    child = engine.output_processor.children["boom"]
+    child = engine.output_processor.children[child_request_id("boom", 0)]
 
     def explode(*args: object, **kwargs: object) -> None:
         raise RuntimeError("detokenizer exploded")

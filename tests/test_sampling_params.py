@@ -52,6 +52,16 @@ def test_defaults_match_vllm() -> None:
         ({"n": True}, ["n", "integer", "True"]),
         ({"temperature": 0.0, "n": 2}, ["n", "greedy", "2"]),
         ({"output_kind": "delta"}, ["output_kind", "DELTA", "delta"]),
+        # Values the runner's float32 / int64 columns cannot hold.
+        ({"temperature": 1e39}, ["temperature", "3.403e+38", "float32", "1e+39"]),
+        ({"temperature": 10**400}, ["temperature", "3.403e+38", "1329 bits"]),
+        ({"repetition_penalty": 1e39}, ["repetition_penalty", "3.403e+38", "1e+39"]),
+        ({"repetition_penalty": 1e-46}, ["repetition_penalty", "1.175e-38", "1e-46"]),
+        ({"top_k": 2**63}, ["top_k", "2**63 - 1", "int64", str(2**63)]),
+        ({"stop_token_ids": [3, 2**70]}, ["stop_token_ids", "2**63 - 1", str(2**70)]),
+        ({"temperature": "hot"}, ["temperature", "number", "'hot'"]),
+        ({"top_p": None}, ["top_p", "number", "None"]),
+        ({"presence_penalty": True}, ["presence_penalty", "number", "True"]),
     ],
 )
 def test_bad_values_name_field_value_and_range(
@@ -68,6 +78,8 @@ def test_boundary_values_are_accepted() -> None:
     SamplingParams(top_p=1.0, min_p=0.0, presence_penalty=-2.0, frequency_penalty=2.0)
     SamplingParams(min_p=1.0, top_k=1, logprobs=0, prompt_logprobs=0, min_tokens=16)
     SamplingParams(max_tokens=None, min_tokens=1000)
+    SamplingParams(temperature=3.4e38, repetition_penalty=1.2e-38, top_k=2**63 - 1)
+    SamplingParams(repetition_penalty=3.4e38, stop_token_ids=[2**63 - 1], min_tokens=1)
 
 
 def test_normalisation() -> None:

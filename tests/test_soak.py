@@ -77,7 +77,9 @@ def make_jobs(num_requests: int, num_prompts: int, seed: int) -> list[Job]:
     return jobs
 
 
-async def drive(llm: AsyncLLM, jobs: list[Job], seed: int) -> None:
+async def drive(llm: AsyncLLM, jobs: list[Job], seed: int, burst: bool = False) -> None:
+    """Stream every job, with its abort; `burst` starts them all at once, else they arrive in
+    random bursts while earlier ones run."""
     rng = random.Random(seed)
 
     async def consume(job: Job) -> None:
@@ -101,8 +103,8 @@ async def drive(llm: AsyncLLM, jobs: list[Job], seed: int) -> None:
 
     tasks: list[asyncio.Task[None]] = []
     i = 0
-    while i < len(jobs):  # arrivals come in random bursts while earlier requests run
-        for job in jobs[i : i + rng.randint(1, 40)]:
+    while i < len(jobs):
+        for job in jobs[i : len(jobs) if burst else i + rng.randint(1, 40)]:
             task = asyncio.create_task(consume(job))
             tasks.append(task)
             if job.abort in ("id", "cancel"):
@@ -150,7 +152,9 @@ def reference_tokens(model: str, jobs: list[Job]) -> dict[tuple[int, ...], Refer
     return refs
 
 
-def soak(model: str, num_requests: int, num_prompts: int, seed: int = 0) -> None:
+def soak(
+    model: str, num_requests: int, num_prompts: int, seed: int = 0, burst: bool = False
+) -> None:
     jobs = make_jobs(num_requests, num_prompts, seed)
     llm = AsyncLLM(
         model,
@@ -160,7 +164,8 @@ def soak(model: str, num_requests: int, num_prompts: int, seed: int = 0) -> None
         **SMALL_KV,
     )
     try:
-        asyncio.run(asyncio.wait_for(drive(llm, jobs, seed), timeout=60 + num_requests * 0.5))
+        run = drive(llm, jobs, seed, burst)
+        asyncio.run(asyncio.wait_for(run, timeout=60 + num_requests * 0.5))
     finally:
         llm.shutdown(drain=True, timeout=60)
 
@@ -191,6 +196,12 @@ def soak(model: str, num_requests: int, num_prompts: int, seed: int = 0) -> None
 
 def test_soak_500_requests(tiny_models) -> None:
     soak(str(tiny_models["llama"]), num_requests=500, num_prompts=40)
+
+
+def test_soak_300_concurrent_streams(tiny_models) -> None:
+    # All at once: 300 streams queue on a KV cache that holds ~8 of them, and the aborts and
+    # cancels land on waiting, running and preempted requests alike.
+    soak(str(tiny_models["llama"]), num_requests=300, num_prompts=30, seed=2, burst=True)
 
 
 @pytest.mark.slow

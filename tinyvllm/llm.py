@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,8 @@ from tinyvllm.engine.engine import Engine, PromptType
 from tinyvllm.engine.stats import EngineStats
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 ChatMessages = list[dict[str, Any]]
 
@@ -133,10 +136,25 @@ class LLM:
                             f"in: {num_in / elapsed:.0f} tok/s, out: {num_out / elapsed:.0f} tok/s"
                         )
                         bar.update(1)
+                if self.engine.last_step_empty and self.engine.has_unfinished_requests():
+                    # Nothing else can change what is schedulable here: stepping on would spin.
+                    raise RuntimeError(
+                        f"{self.engine.get_num_unfinished_requests()} request(s) cannot be "
+                        "scheduled (check max_num_batched_tokens and the KV cache size)"
+                    )
         except BaseException:
             self.engine.abort_request([r for r in request_ids if r not in results])
             raise
         finally:
             if bar is not None:
                 bar.close()
+        for index, rid in enumerate(request_ids):
+            out = results.get(rid)
+            # vLLM's outputs have no error field, so without this a failure would go unnoticed.
+            if out is not None and (
+                out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
+            ):
+                logger.warning(
+                    "prompt %d (request %s) failed: %s", index, rid, out.error or "unknown error"
+                )
         return [results[r] for r in request_ids if r in results]

@@ -6,6 +6,7 @@ import copy
 import enum
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -15,6 +16,11 @@ _SAMPLING_EPS = 1e-5
 # Temperatures in (0, _MIN_TEMP) overflow softmax(logits / t) to inf/nan in half precision, so
 # they are raised to this floor, as vLLM does.
 _MIN_TEMP = 1e-2
+# The model runner keeps per-request values in float32 and int64 tensor columns
+# (runner/states.py); a value outside these ranges would overflow them in the middle of a step.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+INT64_MAX = 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -100,26 +106,14 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise ValueError(
-                f"repetition_penalty must be a finite number greater than 0, "
-                f"got {self.repetition_penalty}"
-            )
-        if not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self._verify_floats()
         _check_int("top_k", self.top_k)
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k > INT64_MAX:
+            raise ValueError(
+                f"top_k must be at most 2**63 - 1 (int64); use 0 to disable it, got {self.top_k}"
+            )
         if self.seed is not None:
             _check_int("seed", self.seed)
         if self.max_tokens is not None:
@@ -140,10 +134,11 @@ class SamplingParams:
                 if value < 0:
                     raise ValueError(f"{name} must be non-negative, got {value}")
         assert isinstance(self.stop, list) and isinstance(self.stop_token_ids, list)
-        bad_ids = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
+        bad_ids = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= INT64_MAX]
         if bad_ids:
             raise ValueError(
-                f"stop_token_ids must contain only non-negative integers, got {bad_ids}"
+                f"stop_token_ids must contain only integers in [0, 2**63 - 1] (int64), "
+                f"got {bad_ids}"
             )
         bad_stops = [s for s in self.stop if not isinstance(s, str) or not s]
         if bad_stops:
@@ -157,6 +152,37 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind "
                 f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}"
             )
+
+    def _verify_floats(self) -> None:
+        """The float fields, which the runner stores as float32 columns."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        penalty = _check_real("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(penalty) and penalty > 0.0):
+            raise ValueError(
+                f"repetition_penalty must be a finite number greater than 0, got {penalty}"
+            )
+        if not FLOAT32_MIN_NORMAL <= penalty <= FLOAT32_MAX:
+            raise ValueError(
+                f"repetition_penalty must be in [{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}] "
+                f"(the float32 range the sampler uses), got {penalty}"
+            )
+        temperature = _check_real("temperature", self.temperature)
+        if not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a finite number, got {temperature}")
+        if temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {temperature}")
+        if temperature > FLOAT32_MAX:
+            raise ValueError(
+                f"temperature must be at most {FLOAT32_MAX:.4g} (the float32 range the sampler "
+                f"uses), got {temperature}"
+            )
+        if not 0.0 < _check_real("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= _check_real("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def is_greedy(self) -> bool:
@@ -189,3 +215,16 @@ def _is_int(value: object) -> bool:
 def _check_int(name: str, value: object) -> None:
     if not _is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_real(name: str, value: object) -> float:
+    """`value` as a float; a non-number, or an int too large for a float, is a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"{name} must be at most {FLOAT32_MAX:.4g} (float32), got an integer of "
+            f"{int(value).bit_length()} bits"
+        ) from None

@@ -64,3 +64,6 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request whose drafts were verified this step: (drafts, accepted drafts).
     spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Requests that failed on their own this step (their values could not be stored, or their
+    # logits were not finite) -> why. They have no entry above; the rest of the batch ran.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -46,6 +46,9 @@ class Engine:
         self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
         self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
         self.stats = StatsCollector()
+        # Whether the latest step scheduled nothing: the same state would schedule nothing
+        # again, so a driver should wait for new requests or aborts rather than step again.
+        self.last_step_empty = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
@@ -68,10 +71,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id = str(next(self._counter))
-        if request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -81,10 +81,10 @@ class Engine:
         if self.extra_stop_ids and not params.ignore_eos:
             stop_ids = sorted(set(params.stop_token_ids or []) | self.extra_stop_ids)
             params = replace(params, stop_token_ids=stop_ids)
+        child_ids = [child_request_id(request_id, i) for i in range(params.n)]
         if params.n == 1:
-            child_ids, child_params = [request_id], [params]
+            child_params = [params]
         else:
-            child_ids = [f"{i}_{request_id}" for i in range(params.n)]
             child_params = [
                 replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                 for i in range(params.n)
@@ -96,36 +96,56 @@ class Engine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids)),
         )
-        self.output_processor.add(parent, child_ids, child_params)
+        # Everything was checked above; should registering still fail part-way, undo it all, so
+        # no half-added request is left that could never finish.
         self.parents[request_id] = parent
-        for rid, p in zip(child_ids, child_params, strict=True):
-            self._child_to_parent[rid] = request_id
-            self.scheduler.add_request(
-                Request(
-                    request_id=rid,
-                    prompt_token_ids=prompt_ids,
-                    sampling_params=p,
-                    eos_token_id=self.eos_token_id,
-                    max_tokens=max_tokens,
-                    arrival_time=arrival,
+        try:
+            self.output_processor.add(parent, child_ids, child_params)
+            for rid, p in zip(child_ids, child_params, strict=True):
+                self._child_to_parent[rid] = request_id
+                self.scheduler.add_request(
+                    Request(
+                        request_id=rid,
+                        prompt_token_ids=prompt_ids,
+                        sampling_params=p,
+                        eos_token_id=self.eos_token_id,
+                        max_tokens=max_tokens,
+                        arrival_time=arrival,
+                    )
                 )
-            )
+        except BaseException:
+            self._forget(request_id, child_ids)
+            raise
+        return request_id
+
+    def _new_request_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            request_id = str(next(self._counter))
+            while request_id in self.parents:  # a caller chose this one
+                request_id = str(next(self._counter))
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            parent = self.parents.pop(rid, None)
-            if parent is None:
-                continue
-            child_ids = [c.request_id for c in parent.children]
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            for cid in child_ids:
-                self._child_to_parent.pop(cid, None)
-                self.output_processor.children.pop(cid, None)
+            parent = self.parents.get(rid)
+            if parent is not None:
+                self._forget(rid, [c.request_id for c in parent.children])
 
     abort = abort_request
+
+    def _forget(self, request_id: str, child_ids: list[str]) -> None:
+        """Drop a request from the engine, wherever it got to (frees its blocks)."""
+        self.parents.pop(request_id, None)
+        self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        for cid in child_ids:
+            self._child_to_parent.pop(cid, None)
+            self.output_processor.children.pop(cid, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. after swapping weights); True when done."""
@@ -157,6 +177,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs for requests that changed (per output_kind)."""
         sched = self.scheduler.schedule()
+        self.last_step_empty = sched.is_empty
         now = time.monotonic()
         for new in sched.scheduled_new_reqs:
             metrics = self.parents[self._child_to_parent[new.req_id]].metrics
@@ -175,6 +196,9 @@ class Engine:
             self._fail(failed, f"model step failed: {type(exc).__name__}: {exc}", touched)
             return self._collect(touched)
 
+        for rid, message in runner_out.failed.items():
+            # Before the scheduler takes the step's output, which then skips these requests.
+            self._fail([rid], message, touched)
         for rid, entries in runner_out.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, entries)
         logprobs_by_req = dict(zip(runner_out.req_ids, runner_out.logprobs or [], strict=False))
@@ -303,6 +327,15 @@ class Engine:
                 f"prompt_token_ids contains out-of-vocabulary id(s) {bad[:5]}; "
                 f"valid ids are 0..{vocab - 1}"
             )
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The internal id of sample `index` of a request (its only sequence when n = 1).
+
+    Every sequence gets one, so no user id can equal another request's internal id: the part
+    after the last '#' is always the index, which makes the mapping one-to-one.
+    """
+    return f"{request_id}#{index}"
 
 
 def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:

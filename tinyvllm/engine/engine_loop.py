@@ -10,11 +10,14 @@ plain queue put for threads.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import functools
 import logging
 import queue
 import signal
 import threading
+import weakref
 from dataclasses import replace
 
 from tinyvllm.engine.engine import Engine
@@ -35,6 +38,9 @@ from tinyvllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+# How long the exit hook waits for the engine thread to finish its step and stop.
+EXIT_JOIN_TIMEOUT_S = 30.0
+
 
 class EngineLoop:
     """Owns the engine thread. `post` and `walk_away` are safe from any thread."""
@@ -52,6 +58,11 @@ class EngineLoop:
         self._pending: collections.deque[Command] = collections.deque()
         self._needs_flush = False
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
+        # A daemon thread still inside torch when the interpreter finalizes is killed by an
+        # unwind that C++ turns into abort() (exit 134, the user's traceback and exit status
+        # lost), so the thread is stopped at exit. The hook holds only a weak reference.
+        self._exit_hook = functools.partial(_stop_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         self._thread.start()
 
     # ---- any thread -------------------------------------------------------------------------
@@ -87,6 +98,7 @@ class EngineLoop:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the engine thread did not stop within {timeout} s")
+        atexit.unregister(self._exit_hook)
 
     @property
     def is_alive(self) -> bool:
@@ -121,11 +133,19 @@ class EngineLoop:
 
     def _loop(self) -> None:
         closing = False
+        # The last step scheduled nothing and changed nothing, so stepping again would spin:
+        # only a command (an add or an abort) can change what is schedulable.
+        stalled = False
         while True:
-            busy = self.engine.has_unfinished_requests() or self._needs_flush
+            unfinished = self.engine.has_unfinished_requests()
+            busy = self._needs_flush or (unfinished and not stalled)
             if closing and not busy:
+                if unfinished:  # stalled: draining would never end
+                    self._abort_all()
                 return
-            self._pending.extend(self._take_commands(block=not busy))
+            commands = self._take_commands(block=not busy)
+            stalled = stalled and not commands
+            self._pending.extend(commands)
             while self._pending:
                 command = self._pending[0]  # left queued until applied: a crash answers it
                 if isinstance(command, Add):
@@ -145,6 +165,11 @@ class EngineLoop:
                 # The runner drops finished rows at the next step; when that would be the idle
                 # wait, an empty step tells it now instead.
                 self._needs_flush = any(out.finished for out in outputs)
+                stalled = self.engine.last_step_empty and not outputs
+                if stalled and self.engine.has_unfinished_requests():
+                    logger.warning(
+                        "no request can be scheduled; waiting for new requests or aborts"
+                    )
                 self._dispatch(outputs)
 
     def _take_commands(self, block: bool) -> list[Command]:
@@ -293,3 +318,15 @@ class EngineLoop:
             future.set_result(None)
         else:
             future.set_exception(self.new_dead_error() if self.dead_error is not None else error)
+
+
+def _stop_at_exit(loop_ref: weakref.ref[EngineLoop]) -> None:
+    """atexit: abort what is in flight and stop the engine thread before finalization."""
+    loop = loop_ref()
+    if loop is None or not loop.is_alive:
+        return
+    try:
+        loop.post(Shutdown(drain=False))
+        loop.join(EXIT_JOIN_TIMEOUT_S)
+    except Exception as exc:  # never mask the program's own exit status
+        logger.warning("stopping the engine thread at exit failed: %s", exc)

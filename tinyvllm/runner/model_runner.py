@@ -35,6 +35,11 @@ from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
+NON_FINITE_LOGITS = (
+    "the model's logits were not finite (NaN or inf), likely from NaN/inf weights or a value "
+    "that overflows the model's dtype; the output would be meaningless"
+)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
@@ -111,8 +116,7 @@ class ModelRunner:
         states = self.states
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             states.remove(req_id)
-        for new in sched.scheduled_new_reqs:
-            states.add(new)
+        failed = self._add_requests(sched)
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -120,19 +124,16 @@ class ModelRunner:
             row = states.req_id_to_row[req_id]
             states.append_blocks(row, block_ids)
             states.num_computed_tokens[row] = num_computed
-        if sched.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        scheduled = {r: n for r, n in sched.num_scheduled_tokens.items() if r not in failed}
+        if not scheduled:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
 
-        req_ids = list(sched.num_scheduled_tokens)
+        req_ids = list(scheduled)
         drafts = sched.scheduled_spec_decode_tokens
         if drafts:
             Speculator.write_drafts(states, drafts)
         batch = prepare_inputs(
-            states,
-            req_ids,
-            list(sched.num_scheduled_tokens.values()),
-            self.block_size,
-            self.device,
+            states, req_ids, list(scheduled.values()), self.block_size, self.device
         )
         hidden = self._forward(batch)
         if self.draft is not None:
@@ -145,29 +146,17 @@ class ModelRunner:
         if drafts and batch.sample_idx.numel():
             sampled, logprobs, spec_counts = self._verify(batch, hidden, drafts)
         elif batch.sample_idx.numel():
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            sample_rows = batch.rows[batch.sample_idx]
-            metadata = build_sampling_metadata(states, sample_rows, self.generator)
-            out = self.sampler(logits, metadata)
-            tokens = out.sampled_token_ids.to("cpu")
-            self._append_tokens(sample_rows, tokens)
-            token_list = tokens.tolist()
-            sample_idx = batch.sample_idx.tolist()
-            for i, tok in zip(sample_idx, token_list, strict=True):
-                sampled[i] = [tok]
-            if out.logprobs is not None:
-                logprobs = [None] * len(req_ids)
-                per_row = logprobs_to_lists(
-                    out.logprobs, [states.num_logprobs[r] for r in sample_rows.tolist()]
-                )
-                for i, lp in zip(sample_idx, per_row, strict=True):
-                    logprobs[i] = None if lp is None else [lp]
+            sampled, logprobs = self._sample(batch, hidden)
         states.num_computed_tokens[batch.rows] += batch.num_scheduled
+        for i, rid in enumerate(req_ids):
+            if sampled[i] and sampled[i][0] < 0:  # its logits were not finite
+                failed[rid] = NON_FINITE_LOGITS
+                sampled[i] = []
         proposals: dict[str, list[int]] = {}
         if self.speculator is not None and batch.sample_idx.numel():
-            sample_idx = batch.sample_idx.tolist()
+            sample_idx = [i for i in batch.sample_idx.tolist() if req_ids[i] not in failed]
             proposals = self.speculator.propose(
-                states, [req_ids[i] for i in sample_idx], batch.rows[batch.sample_idx]
+                states, [req_ids[i] for i in sample_idx], batch.rows[sample_idx]
             )
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -176,7 +165,51 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=proposals,
             spec_counts=spec_counts,
+            failed=failed,
         )
+
+    def _add_requests(self, sched: SchedulerOutput) -> dict[str, str]:
+        """Give the step's new requests their rows; one whose values cannot be stored fails
+        alone (request id -> why) instead of failing the whole step."""
+        failed: dict[str, str] = {}
+        for new in sched.scheduled_new_reqs:
+            try:
+                self.states.add(new)
+            except Exception as exc:
+                logger.warning("request %s cannot join the batch: %s", new.req_id, exc)
+                failed[new.req_id] = (
+                    f"the request's values cannot be stored by the model runner: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+        return failed
+
+    def _sample(
+        self, batch: InputBatch, hidden: torch.Tensor
+    ) -> tuple[list[list[int]], list | None]:
+        """One token per sampling request; -1 for a request whose logits are not finite."""
+        states = self.states
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sample_rows = batch.rows[batch.sample_idx]
+        metadata = build_sampling_metadata(states, sample_rows, self.generator)
+        out = self.sampler(logits, metadata)
+        # NaN/inf weights give NaN logits, whose argmax is token 0 forever: flag those rows
+        # (amax propagates NaN and +inf, and is -inf only for a row with nothing finite).
+        finite = torch.isfinite(logits.amax(dim=-1))
+        tokens = torch.where(finite, out.sampled_token_ids, -1).to("cpu")
+        self._append_tokens(sample_rows, tokens)
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        sample_idx = batch.sample_idx.tolist()
+        for i, tok in zip(sample_idx, tokens.tolist(), strict=True):
+            sampled[i] = [tok]
+        logprobs: list | None = None
+        if out.logprobs is not None:
+            logprobs = [None] * len(batch.req_ids)
+            per_row = logprobs_to_lists(
+                out.logprobs, [states.num_logprobs[r] for r in sample_rows.tolist()]
+            )
+            for i, lp in zip(sample_idx, per_row, strict=True):
+                logprobs[i] = None if lp is None else [lp]
+        return sampled, logprobs
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         md = batch.attn_metadata
@@ -214,11 +247,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[indices])
         rows = batch.rows[batch.sample_idx]
         result = self.speculator.verify(self.states, rows, logits, req_drafts, self.generator)
+        # A request fails if any of its K + 1 positions has non-finite logits (see _sample).
+        bad = (~torch.isfinite(logits.amax(dim=-1))).to("cpu", torch.int64)
+        request_of = torch.repeat_interleave(torch.arange(len(sample_idx)), num_drafts + 1)
+        bad_requests = torch.zeros(len(sample_idx), dtype=torch.int64).index_add_(
+            0, request_of, bad
+        )
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list | None = None if result.logprobs is None else [None] * len(batch.req_ids)
         spec_counts: dict[str, tuple[int, int]] = {}
         for j, i in enumerate(sample_idx):
-            sampled[i] = result.tokens[j]
+            sampled[i] = [-1] if bad_requests[j] else result.tokens[j]
             if req_drafts[j]:
                 spec_counts[batch.req_ids[i]] = (len(req_drafts[j]), len(result.tokens[j]) - 1)
             if logprobs is not None and result.logprobs is not None:

@@ -50,10 +50,19 @@ class RequestStates:
         return len(self.req_id_to_row)
 
     def add(self, new: NewRequestData) -> int:
+        """Give `new` a row. Raises (with no row taken) if a value does not fit its column."""
         if not self.free_rows:
             raise RuntimeError("more concurrent requests than max_num_seqs")
         row = self.free_rows.pop()
         self.req_id_to_row[new.req_id] = row
+        try:
+            self._fill(row, new)
+        except BaseException:
+            self.remove(new.req_id)
+            raise
+        return row
+
+    def _fill(self, row: int, new: NewRequestData) -> None:
         tokens = new.prompt_token_ids + new.output_token_ids
         n = len(tokens)
         self.token_ids[row, :n] = torch.tensor(tokens, dtype=torch.int64)
@@ -76,8 +85,10 @@ class RequestStates:
         self.num_logprobs[row] = p.logprobs
         self.num_prompt_logprobs[row] = p.prompt_logprobs
         self.min_tokens[row] = p.min_tokens
-        self.min_tokens_ids[row] = sorted(p.stop_ids(new.eos_token_id)) if p.min_tokens else []
-        return row
+        # Ids past the vocabulary can never be sampled, so there is nothing to forbid (and they
+        # would index past the logits).
+        stop_ids = p.stop_ids(new.eos_token_id) if p.min_tokens else set()
+        self.min_tokens_ids[row] = sorted(t for t in stop_ids if t < self.vocab_size)
 
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
