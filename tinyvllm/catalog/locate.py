@@ -96,7 +96,8 @@ def locate_package(package: PackageSource) -> LocalModel | None:
     if target.is_dir():
         # pip --target lays out the package folders directly under the target.
         for path in sorted(target.rglob(package.file)):
-            if path.is_file():
+            # A symlink in an installed package must not lead out of the cache.
+            if path.is_file() and path.resolve().is_relative_to(target.resolve()):
                 return LocalModel(str(path), None, "tinyvllm cache")
     return None
 
