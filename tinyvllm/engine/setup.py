@@ -39,16 +39,29 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             hf_config = AutoConfig.from_pretrained(
                 str(model_path), trust_remote_code=args.trust_remote_code
             )
-        except ValueError as exc:
-            raise ValueError(f"cannot read the model config in {model_path}: {exc}") from exc
+        except Exception as exc:  # transformers raises many types for a bad config.json
+            detail = str(exc).splitlines()[-1].strip() if str(exc) else type(exc).__name__
+            raise ValueError(
+                f"cannot read the model config {str(model_path / 'config.json')!r}: {detail}"
+            ) from exc
     get_model_class(hf_config)  # unsupported architectures fail before any weights load
+    _check_config(hf_config, model_path, gguf_path is not None)
     quantization = _resolve_quantization(args.quantization, gguf_path)
     device = resolve_device(args.device)
     dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
 
     derived = getattr(hf_config, "max_position_embeddings", None) or 2048
     if args.max_model_len is None:
-        max_model_len = derived
+        # Tables sized by the context (rope, request rows) are built before the KV cache is
+        # sized, so an absurd context from the file must shrink here, not after.
+        max_model_len = min(derived, _max_servable_len(hf_config, dtype, device, cache, args))
     elif args.max_model_len > derived:
         raise ValueError(
             f"max_model_len={args.max_model_len} is larger than the model's "
@@ -82,13 +95,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_model_len_explicit=args.max_model_len is not None,
             quantization=quantization,
         ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
+        cache=cache,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_batched,
@@ -103,6 +110,50 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         speculative=_speculative_config(args.speculative_config),
     )
+
+
+def _check_config(hf_config: Any, model_path: Any, is_gguf: bool) -> None:
+    from tinyvllm.models.checkpoint_check import TensorDirectory, check_config_values
+
+    if is_gguf:
+        from tinyvllm.gguf.config import hf_field_names
+
+        names = hf_field_names(hf_config.model_type)
+        where = TensorDirectory(f"GGUF file {str(model_path)!r}", {}, names)
+    else:
+        where = TensorDirectory(repr(str(model_path / "config.json")), {})
+    check_config_values(hf_config, where.origin, where.describe)
+
+
+# Share of the CPU KV budget the per-position tables may take (rope cos/sin, and the
+# runner's token rows: one int64 column per sequence slot).
+_TABLES_FRACTION = 8
+
+
+def _max_servable_len(
+    hf_config: Any, dtype: str, device: Any, cache: CacheConfig, args: EngineArgs
+) -> int:
+    """The longest context this machine could serve: what the KV cache can hold at most, and
+    what the per-position tables fit in (they are built before the KV cache is sized)."""
+    from tinyvllm.runner.kv_cache import cpu_kv_budget_bytes, max_kv_tokens
+
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    elem = 4 if dtype == "float32" else 2
+    per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
+    per_position = 2 * 4 * head_dim + 8 * (args.max_num_seqs + 1)
+    tables = cpu_kv_budget_bytes() // _TABLES_FRACTION // per_position
+    fitting = max(min(max_kv_tokens(cache, per_token, device), tables), cache.block_size)
+    derived = getattr(hf_config, "max_position_embeddings", None)
+    if derived is not None and derived > fitting:
+        logger.warning(
+            "the model's context of %d tokens cannot fit in memory here; serving with "
+            "max_model_len=%d (pass max_model_len or more KV memory to change it)",
+            derived,
+            fitting,
+        )
+    return fitting
 
 
 def _catalog_files(model: str, gguf_file: str | None) -> tuple[str, str | None]:
