@@ -60,6 +60,7 @@ class Case:
     expect: str = "error"
     needle: str | None = None  # must appear in the error message
     check: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # LLM arguments beyond LOAD_KWARGS
 
 
 def run_cases(cases: list[Case], tmp_path: Path, timeout: float) -> dict[str, dict[str, Any]]:
@@ -67,7 +68,8 @@ def run_cases(cases: list[Case], tmp_path: Path, timeout: float) -> dict[str, di
     spec = tmp_path / "cases.jsonl"
     spec.write_text(
         "".join(
-            json.dumps({"name": c.name, "path": str(c.path), "kwargs": LOAD_KWARGS}) + "\n"
+            json.dumps({"name": c.name, "path": str(c.path), "kwargs": LOAD_KWARGS | c.kwargs})
+            + "\n"
             for c in cases
         )
     )
@@ -239,6 +241,8 @@ def quick_cases(src: dict, tmp: Path) -> list[Case]:
     return [
         Case("context 2^31", gguf_with(d, tmp / "ctx.gguf", context_length=(2**31, V.UINT32)),
              expect="ok", check=loads_short(1 << 20)),
+        Case("explicit context 2^31", tmp / "ctx.gguf", needle="cannot fit",
+             kwargs={"max_model_len": 2**31}),
         Case("block_count 10^6", gguf_with(d, tmp / "blocks.gguf", block_count=(10**6, V.UINT32)),
              needle="block_count"),
         Case("0 heads", gguf_with(d, tmp / "heads.gguf", **{"attention.head_count": (0, V.UINT32)}),

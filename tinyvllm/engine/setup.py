@@ -58,14 +58,28 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     )
 
     derived = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # Tables sized by the context (rope, request rows) are built before the KV cache is
+    # sized, so a context that cannot fit must shrink (or fail) here, not after.
+    kv_tokens, table_tokens = _context_bounds(hf_config, dtype, device, cache, args)
     if args.max_model_len is None:
-        # Tables sized by the context (rope, request rows) are built before the KV cache is
-        # sized, so an absurd context from the file must shrink here, not after.
-        max_model_len = min(derived, _max_servable_len(hf_config, dtype, device, cache, args))
+        max_model_len = min(derived, max(min(kv_tokens, table_tokens), cache.block_size))
+        if max_model_len < derived:
+            logger.warning(
+                "the model's context of %d tokens cannot fit in memory here; serving with "
+                "max_model_len=%d (pass max_model_len or more KV memory to change it)",
+                derived,
+                max_model_len,
+            )
     elif args.max_model_len > derived:
         raise ValueError(
             f"max_model_len={args.max_model_len} is larger than the model's "
             f"max_position_embeddings={derived}; use at most {derived}"
+        )
+    elif args.max_model_len > kv_tokens:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} cannot fit: the KV cache can hold at most "
+            f"{kv_tokens} tokens of {args.model!r} here; lower max_model_len or give the KV "
+            "cache more memory"
         )
     else:
         max_model_len = args.max_model_len
@@ -130,11 +144,10 @@ def _check_config(hf_config: Any, model_path: Any, is_gguf: bool) -> None:
 _TABLES_FRACTION = 8
 
 
-def _max_servable_len(
+def _context_bounds(
     hf_config: Any, dtype: str, device: Any, cache: CacheConfig, args: EngineArgs
-) -> int:
-    """The longest context this machine could serve: what the KV cache can hold at most, and
-    what the per-position tables fit in (they are built before the KV cache is sized)."""
+) -> tuple[int, int]:
+    """(tokens the KV cache can hold at most, positions the per-position tables fit in)."""
     from tinyvllm.runner.kv_cache import cpu_kv_budget_bytes, max_kv_tokens
 
     heads = hf_config.num_attention_heads
@@ -144,16 +157,7 @@ def _max_servable_len(
     per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
     per_position = 2 * 4 * head_dim + 8 * (args.max_num_seqs + 1)
     tables = cpu_kv_budget_bytes() // _TABLES_FRACTION // per_position
-    fitting = max(min(max_kv_tokens(cache, per_token, device), tables), cache.block_size)
-    derived = getattr(hf_config, "max_position_embeddings", None)
-    if derived is not None and derived > fitting:
-        logger.warning(
-            "the model's context of %d tokens cannot fit in memory here; serving with "
-            "max_model_len=%d (pass max_model_len or more KV memory to change it)",
-            derived,
-            fitting,
-        )
-    return fitting
+    return max_kv_tokens(cache, per_token, device), tables
 
 
 def _catalog_files(model: str, gguf_file: str | None) -> tuple[str, str | None]:

@@ -238,8 +238,8 @@ def load_model(
     weights = _iter_weights(path, hf_config, dtype, device, quantization == "gguf")
     try:
         model.load_weights(weights)  # type: ignore[operator]
-    except torch.OutOfMemoryError:
-        raise
+    except (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):
+        raise  # the device's failures, not the file's
     except (ValueError, ArithmeticError, RuntimeError, IndexError) as exc:
         # Numpy/torch shape messages and the loader's own name no file: add it.
         detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
