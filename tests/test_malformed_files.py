@@ -230,6 +230,7 @@ def sources(tiny_models: Mapping[str, Path], tmp_path_factory: pytest.TempPathFa
     llama = tiny_models["llama"]
     return {
         "dir": llama,
+        "qwen2": tiny_models["qwen2"],
         "gguf": write_tiny_gguf(llama, root / "f32.gguf"),
         "q8": write_tiny_gguf(llama, root / "q8.gguf", qtype_for=lambda n, a: Q8_0),
     }
@@ -257,6 +258,10 @@ def quick_cases(src: dict, tmp: Path) -> list[Case]:
         Case("tensor data cut", truncated(g, tmp / "cut.gguf", g.stat().st_size // 2),
              needle="truncated"),
         Case("layers 10^6", model_dir_with(d, tmp / "layers", num_hidden_layers=10**6),
+             needle="num_hidden_layers"),
+        # transformers builds Qwen's per-layer `layer_types` list while reading the config.
+        Case("qwen2 layers 2^40", model_dir_with(src["qwen2"], tmp / "q2layers",
+                                                 num_hidden_layers=2**40),
              needle="num_hidden_layers"),
         Case("vocab 2^40", model_dir_with(d, tmp / "vocab", vocab_size=2**40), needle="vocab_size"),
         Case("NaN norm", model_dir_editing(d, tmp / "nan_norm", nan_norm),

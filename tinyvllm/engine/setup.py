@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from tinyvllm.config import (
@@ -35,6 +37,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         model_path, hf_config = gguf_path, load_gguf_config(gguf_path)
     else:
         model_path = resolve_model_path(model, args.revision, args.download_dir)
+        _check_layer_count_first(model_path)
         try:
             hf_config = AutoConfig.from_pretrained(
                 str(model_path), trust_remote_code=args.trust_remote_code
@@ -124,6 +127,22 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         speculative=_speculative_config(args.speculative_config),
     )
+
+
+def _check_layer_count_first(model_path: Path) -> None:
+    """transformers builds per-layer lists while it reads config.json (Qwen's `layer_types`),
+    so an absurd layer count must meet the checkpoint's tensors before AutoConfig runs."""
+    from tinyvllm.models.checkpoint_check import check_layer_count
+    from tinyvllm.models.loader import tensor_directory
+
+    try:
+        raw = json.loads((model_path / "config.json").read_text())
+        directory = tensor_directory(model_path)
+    except (OSError, ValueError):
+        return  # AutoConfig or the loader reports these, in their order
+    layers = raw.get("num_hidden_layers") if isinstance(raw, dict) else None
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        check_layer_count(layers, directory)
 
 
 def _check_config(hf_config: Any, model_path: Any, is_gguf: bool) -> None:

@@ -121,15 +121,8 @@ def check_against_checkpoint(config: Any, directory: TensorDirectory) -> None:
     tensors, vocabulary and hidden size from the embedding, heads and MLP width from layer 0).
     Raises ValueError naming the file and the field."""
     check_config_values(config, directory.origin, directory.describe)
-    origin, shapes = directory.origin, directory.shapes
     layers = config.num_hidden_layers
-    present = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
-    if len(present) != layers or (present and max(present) != layers - 1):
-        found = f"layers 0..{max(present)}" if present else "no layers"
-        raise ValueError(
-            f"{origin}: {directory.describe('num_hidden_layers')} is {layers}, but the "
-            f"checkpoint's tensors have {len(present)} layer(s) ({found})"
-        )
+    check_layer_count(layers, directory)
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -151,6 +144,17 @@ def check_against_checkpoint(config: Any, directory: TensorDirectory) -> None:
         }
     for name, (shape, fields) in expected.items():
         _check_shape(directory, name, shape, fields)
+
+
+def check_layer_count(layers: int, directory: TensorDirectory) -> None:
+    """The checkpoint holds tensors for exactly layers 0..layers-1."""
+    present = {int(m.group(1)) for name in directory.shapes if (m := _LAYER.match(name))}
+    if len(present) != layers or (present and max(present) != layers - 1):
+        found = f"layers 0..{max(present)}" if present else "no layers"
+        raise ValueError(
+            f"{directory.origin}: {directory.describe('num_hidden_layers')} is {layers}, but "
+            f"the checkpoint's tensors have {len(present)} layer(s) ({found})"
+        )
 
 
 def _check_shape(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tinyvllm.models.checkpoint_check import (
+    TensorDirectory,
     check_against_checkpoint,
     open_safetensors,
     read_tensor_directory,
@@ -169,6 +170,14 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weight files in {str(model_dir)!r}{hint}")
 
 
+def tensor_directory(path: Path) -> TensorDirectory:
+    """Tensor names and shapes of a GGUF file or a safetensors model directory."""
+    from tinyvllm.gguf.reader import is_gguf_file
+
+    path = Path(path)
+    return read_tensor_directory(path, None if is_gguf_file(path) else _weight_files(path))
+
+
 def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of the checkpoint, one at a time."""
     for path in _weight_files(Path(model_dir)):
@@ -222,15 +231,13 @@ def load_model(
     lm_head hold weight-only quantized tensors; "gguf" streams the file's raw blocks into
     them, the others quantize float weights as they arrive.
     """
-    from tinyvllm.gguf.reader import is_gguf_file
     from tinyvllm.quant import QuantConfig
 
     model_cls = get_model_class(hf_config)
     quant_config = QuantConfig.from_quantization(quantization)
     path = Path(model_dir)
-    weight_files = None if is_gguf_file(path) else _weight_files(path)
     # Every size the model allocates must agree with a tensor really in the file.
-    check_against_checkpoint(hf_config, read_tensor_directory(path, weight_files))
+    check_against_checkpoint(hf_config, tensor_directory(path))
     # Parameters are allocated directly on the device in the target dtype (uninitialised:
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):
