@@ -527,6 +527,14 @@ def test_pip_refuses_names_that_are_not_projects(
     assert [p.name for p in cache.iterdir()] == ["kept"]
 
 
+def test_locate_ignores_names_that_are_paths(isolated_dirs: Path) -> None:
+    outside = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "elsewhere"
+    outside.mkdir(parents=True)
+    (outside.parent / "packages").mkdir()
+    (outside / "m.gguf").write_bytes(b"GGUF")
+    assert locate_package(PackageSource("../elsewhere", "m.gguf")) is None
+
+
 def test_pip_never_removes_outside_the_packages_dir(
     isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
