@@ -70,7 +70,12 @@ def test_continue_final_message(tokenizer: Any) -> None:
         (DOUBLING, "a string of"),
         ("{{ 'x' * 10**10 }}", "a sequence of"),
         ("{{ 'a' | center(10**10) }}", "passes 10000000000"),
+        ("{{ '%0999999999d' % 1 }}", "width 999999999"),
+        ("{{ '{:>999999999}'.format(1) }}", "width 999999999"),
+        ("{{ '%0999999999d' | format(1) }}", "width 999999999"),
+        ("{{ lipsum(10**6) }}", "lipsum"),
         ("{{ [1, 2] + range(100000) | list }}", None),  # fine: within the limits
+        ("{{ '%05d' % 7 }}{{ '{:>4}'.format('a') }}{{ 'call 12345678' | upper }}", None),
         ("{{ raise_exception('no tools here') }}", "no tools here"),
         ("{% for %}", "not valid Jinja"),
     ],

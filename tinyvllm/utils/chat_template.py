@@ -14,6 +14,7 @@ The environment copies transformers' settings, globals and filters (`raise_excep
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 _TEMPLATE_FILE = "<template>"
 # Names the compiled module imports from jinja2.runtime for `a ~ b`.
 _JOIN_NAMES = ("str_join", "markup_join")
+_NUMBER = re.compile(r"\d+")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
             size = len(left) + len(right)
         elif operator == "**" and isinstance(right, int) and abs(right) > 256:
             raise ChatTemplateError(f"the chat template raises to the power {right}, over 256")
+        elif operator == "%" and isinstance(left, str):
+            self.check_format(left)
         if size > cap:
             raise self.too_big("a sequence", size)
         return super().call_binop(context, operator, left, right)
@@ -79,6 +83,22 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
                     f"{self.limits.max_chars}"
                 )
 
+    def check_format(self, spec: str) -> None:
+        """Widths in a format string (`'%099999999d'`, `'{:>99999999}'`) allocate in one go."""
+        cap = self.limits.max_chars
+        for number in _NUMBER.findall(spec):
+            number = number.lstrip("0") or "0"
+            if len(number) > len(str(cap)) or int(number) > cap:
+                raise ChatTemplateError(
+                    f"the chat template formats with width {number[:20]}, over the limit of {cap}"
+                )
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:  # `value` is a bound str.format / format_map
+            self.check_format(value.__self__)
+        return wrapped
+
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self.check_args((*args, *kwargs.values()))
         return super().call(__context, __obj, *args, **kwargs)
@@ -86,7 +106,7 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
     def add_filters(self, filters: Mapping[str, Callable[..., Any]]) -> None:
         """Filters are called directly, not through `call`: check their arguments too."""
         for name, fn in filters.items():
-            self.filters[name] = _checked_filter(fn, self)
+            self.filters[name] = _checked_filter(fn, self, format_first=name == "format")
 
     def compile_template(self, source: str) -> Any:
         template = self.from_string(source)
@@ -96,10 +116,14 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         return template
 
 
-def _checked_filter(fn: Callable[..., Any], env: _LimitedSandbox) -> Callable[..., Any]:
+def _checked_filter(
+    fn: Callable[..., Any], env: _LimitedSandbox, format_first: bool
+) -> Callable[..., Any]:
     @functools.wraps(fn)  # keeps jinja's pass_context / pass_eval_context marks
     def checked(*args: Any, **kwargs: Any) -> Any:
         env.check_args((*args, *kwargs.values()))
+        if format_first and args and isinstance(args[0], str):
+            env.check_format(args[0])  # `'%0999999999d' | format(1)`
         return fn(*args, **kwargs)
 
     return checked
@@ -131,6 +155,7 @@ def _compile(source: str, limits: TemplateLimits) -> Any:
     env = _LimitedSandbox(limits, extensions or ["jinja2.ext.loopcontrols"])
     if reference is not None:
         env.globals.update(reference.globals)
+    env.globals.pop("lipsum", None)  # paragraphs of filler, `lipsum(10**6)` in one call
     env.add_filters({**env.filters, **({} if reference is None else reference.filters)})
     try:
         with _Deadline(limits.seconds):
