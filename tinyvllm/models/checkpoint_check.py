@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +85,7 @@ def read_tensor_directory(path: Path, weight_files: list[Path] | None = None) ->
     return TensorDirectory(f"{str(Path(path) / 'config.json')!r}", shapes)
 
 
-def check_config_values(config: Any, origin: str, describe: Any = str) -> None:
+def check_config_values(config: Any, origin: str, describe: Callable[[str], str] = str) -> None:
     """Every size the model is built from is a positive integer, and the norm epsilon and rope
     base are finite and positive. Raises ValueError naming `origin` and the field."""
 
