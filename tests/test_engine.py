@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,15 @@ def test_chat_uses_template(llama_llm) -> None:
     expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out.prompt == expected
     assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+
+
+def test_chat_stops_a_runaway_template(llama_llm) -> None:
+    # A nested loop with no output and no call per iteration once hung llm.chat for hours.
+    nested = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="chat template ran longer than"):
+        llama_llm.chat([{"role": "user", "content": "hi"}], chat_template=nested, use_tqdm=False)
+    assert time.monotonic() - start < 15
 
 
 @pytest.mark.parametrize(

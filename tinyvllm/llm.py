@@ -12,6 +12,7 @@ from tinyvllm.engine.engine import Engine, PromptType
 from tinyvllm.engine.stats import EngineStats
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+from tinyvllm.utils.chat_template import render_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +94,11 @@ class LLM:
             )
         prompts: list[PromptType] = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(
+            text = render_chat_template(
+                tokenizer,
                 conv,
                 chat_template=chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}),
             )

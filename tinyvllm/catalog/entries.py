@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -18,6 +19,9 @@ from tinyvllm.catalog.dirs import user_catalog_path
 SHIPPED_NAME = "models.toml"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+# PEP 508 project names: what pip can only read as a requirement, never as an option
+# ("--version") or a path (".", "../x").
+_PROJECT_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 
 class CatalogError(ValueError):
@@ -244,7 +248,28 @@ def _package(value: Any, bad: Any) -> PackageSource | None:
     for key in ("name", "file"):
         if key not in table:
             raise bad(f"package.{key}", "is missing")
+    for key, check in (("name", package_name_problem), ("file", package_file_problem)):
+        problem = check(table[key])
+        if problem is not None:
+            raise bad(f"package.{key}", problem)
     return PackageSource(table["name"], table["file"])
+
+
+def package_name_problem(name: str) -> str | None:
+    """Why `name` is not a PEP 508 project name pip may be given (None when it is one)."""
+    if not _PROJECT_NAME.fullmatch(name):
+        return (
+            f"must be a PyPI project name (letters, digits, '.', '_', '-', starting and "
+            f"ending with a letter or digit), got {name!r}"
+        )
+    return None
+
+
+def package_file_problem(file: str) -> str | None:
+    """Why `file` is not a plain file name inside a package (None when it is one)."""
+    if file in (".", "..") or any(c in file for c in "/\\\0"):
+        return f"must be a file name without a directory part, got {file!r}"
+    return None
 
 
 def _check_links(catalog: Catalog, merged: dict[str, tuple[dict[str, Any], bool, str]]) -> None:

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinyvllm.catalog.dirs import hf_hub_cache, packages_dir
-from tinyvllm.catalog.entries import CatalogEntry, HubSource, PackageSource
+from tinyvllm.catalog.entries import (
+    CatalogEntry,
+    HubSource,
+    PackageSource,
+    package_file_problem,
+    package_name_problem,
+)
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A safetensors snapshot is usable when it has the config, a tokenizer and weights.
@@ -92,11 +98,14 @@ def locate_package(package: PackageSource) -> LocalModel | None:
     path = _installed_package_file(package)
     if path is not None:
         return LocalModel(str(path), None, f"package {package.name}")
+    if package_name_problem(package.name) or package_file_problem(package.file):
+        return None  # not a name pip could have installed; never a path to follow
     target = packages_dir() / package.name
     if target.is_dir():
         # pip --target lays out the package folders directly under the target.
         for path in sorted(target.rglob(package.file)):
-            if path.is_file():
+            # A symlink in an installed package must not lead out of the cache.
+            if path.is_file() and path.resolve().is_relative_to(target.resolve()):
                 return LocalModel(str(path), None, "tinyvllm cache")
     return None
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+from tinyvllm.utils.chat_template import render_chat_template
 
 if TYPE_CHECKING:
     from tinyvllm.engine.async_llm import AsyncLLM
@@ -230,9 +231,7 @@ class ChatSession:
         kept = list(self.messages)
         dropped = 0
         while True:
-            text = tokenizer.apply_chat_template(
-                self._template_input(kept), tokenize=False, add_generation_prompt=True
-            )
+            text = render_chat_template(tokenizer, self._template_input(kept))
             ids = tokenizer.encode(text, add_special_tokens=False)
             if len(ids) <= limit:
                 break

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from tinyvllm.config import (
@@ -35,24 +37,52 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         model_path, hf_config = gguf_path, load_gguf_config(gguf_path)
     else:
         model_path = resolve_model_path(model, args.revision, args.download_dir)
+        _check_layer_count_first(model_path)
         try:
             hf_config = AutoConfig.from_pretrained(
                 str(model_path), trust_remote_code=args.trust_remote_code
             )
-        except ValueError as exc:
-            raise ValueError(f"cannot read the model config in {model_path}: {exc}") from exc
+        except Exception as exc:  # transformers raises many types for a bad config.json
+            detail = str(exc).splitlines()[-1].strip() if str(exc) else type(exc).__name__
+            raise ValueError(
+                f"cannot read the model config {str(model_path / 'config.json')!r}: {detail}"
+            ) from exc
     get_model_class(hf_config)  # unsupported architectures fail before any weights load
+    _check_config(hf_config, model_path, gguf_path is not None)
     quantization = _resolve_quantization(args.quantization, gguf_path)
     device = resolve_device(args.device)
     dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
 
     derived = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # Tables sized by the context (rope, request rows) are built before the KV cache is
+    # sized, so a context that cannot fit must shrink (or fail) here, not after.
+    kv_tokens, table_tokens = _context_bounds(hf_config, dtype, device, cache, args)
     if args.max_model_len is None:
-        max_model_len = derived
+        max_model_len = min(derived, max(min(kv_tokens, table_tokens), cache.block_size))
+        if max_model_len < derived:
+            logger.warning(
+                "the model's context of %d tokens cannot fit in memory here; serving with "
+                "max_model_len=%d (pass max_model_len or more KV memory to change it)",
+                derived,
+                max_model_len,
+            )
     elif args.max_model_len > derived:
         raise ValueError(
             f"max_model_len={args.max_model_len} is larger than the model's "
             f"max_position_embeddings={derived}; use at most {derived}"
+        )
+    elif args.max_model_len > kv_tokens:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} cannot fit: the KV cache can hold at most "
+            f"{kv_tokens} tokens of {args.model!r} here; lower max_model_len or give the KV "
+            "cache more memory"
         )
     else:
         max_model_len = args.max_model_len
@@ -82,13 +112,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_model_len_explicit=args.max_model_len is not None,
             quantization=quantization,
         ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
+        cache=cache,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_batched,
@@ -103,6 +127,56 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         speculative=_speculative_config(args.speculative_config),
     )
+
+
+def _check_layer_count_first(model_path: Path) -> None:
+    """transformers builds per-layer lists while it reads config.json (Qwen's `layer_types`),
+    so an absurd layer count must meet the checkpoint's tensors before AutoConfig runs."""
+    from tinyvllm.models.checkpoint_check import check_layer_count
+    from tinyvllm.models.loader import tensor_directory
+
+    try:
+        raw = json.loads((model_path / "config.json").read_text())
+        directory = tensor_directory(model_path)
+    except (OSError, ValueError):
+        return  # AutoConfig or the loader reports these, in their order
+    layers = raw.get("num_hidden_layers") if isinstance(raw, dict) else None
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        check_layer_count(layers, directory)
+
+
+def _check_config(hf_config: Any, model_path: Any, is_gguf: bool) -> None:
+    from tinyvllm.models.checkpoint_check import TensorDirectory, check_config_values
+
+    if is_gguf:
+        from tinyvllm.gguf.config import hf_field_names
+
+        names = hf_field_names(hf_config.model_type)
+        where = TensorDirectory(f"GGUF file {str(model_path)!r}", {}, names)
+    else:
+        where = TensorDirectory(repr(str(model_path / "config.json")), {})
+    check_config_values(hf_config, where.origin, where.describe)
+
+
+# Share of the CPU KV budget the per-position tables may take (rope cos/sin, and the
+# runner's token rows: one int64 column per sequence slot).
+_TABLES_FRACTION = 8
+
+
+def _context_bounds(
+    hf_config: Any, dtype: str, device: Any, cache: CacheConfig, args: EngineArgs
+) -> tuple[int, int]:
+    """(tokens the KV cache can hold at most, positions the per-position tables fit in)."""
+    from tinyvllm.runner.kv_cache import cpu_kv_budget_bytes, max_kv_tokens
+
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    elem = 4 if dtype == "float32" else 2
+    per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
+    per_position = 2 * 4 * head_dim + 8 * (args.max_num_seqs + 1)
+    tables = cpu_kv_budget_bytes() // _TABLES_FRACTION // per_position
+    return max_kv_tokens(cache, per_token, device), tables
 
 
 def _catalog_files(model: str, gguf_file: str | None) -> tuple[str, str | None]:

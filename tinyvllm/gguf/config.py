@@ -7,6 +7,7 @@ import hashlib
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -37,20 +38,65 @@ _FILE_TYPE_DTYPES: Mapping[int, str] = MappingProxyType(
 )
 
 
-def _required(gf: GGUFFile, key: str) -> Any:
+# The HF config field each GGUF `{arch}.` key becomes (errors name both).
+HF_FIELD_KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        "vocab_size": "vocab_size",
+        "hidden_size": "embedding_length",
+        "intermediate_size": "feed_forward_length",
+        "num_hidden_layers": "block_count",
+        "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv",
+        "head_dim": "attention.key_length",
+        "max_position_embeddings": "context_length",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        "rope_theta": "rope.freq_base",
+    }
+)
+
+
+def hf_field_names(architecture: str) -> dict[str, str]:
+    """HF config field -> the full GGUF metadata key it came from, for messages."""
+    return {field: f"{architecture}.{key}" for field, key in HF_FIELD_KEYS.items()}
+
+
+def _bad(gf: GGUFFile, key: str, why: str, value: Any) -> ValueError:
+    return ValueError(
+        f"GGUF file {gf.path.name!r}: metadata {gf.architecture}.{key} {why}, got {value!r}"
+    )
+
+
+def _int(gf: GGUFFile, key: str, default: int | None = None, minimum: int = 1) -> int:
+    """`{arch}.{key}` as an integer >= minimum (`default` when absent; required without)."""
     value = gf.arch_value(key)
     if value is None:
-        raise ValueError(f"GGUF file {gf.path.name!r} lacks the metadata {gf.architecture}.{key}")
+        if default is None:
+            raise ValueError(
+                f"GGUF file {gf.path.name!r} lacks the metadata {gf.architecture}.{key}"
+            )
+        return default
+    if isinstance(value, list):
+        # Some converters store head counts per layer; we need them all equal.
+        if not value or len(set(map(repr, value))) != 1:
+            raise _bad(gf, key, "must be the same for every layer", value)
+        value = value[0]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(gf, key, f"must be an integer of at least {minimum}", value)
     return value
 
 
-def _per_layer_constant(value: Any, key: str) -> int:
-    # Some converters store head counts per layer; we need them all equal.
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise ValueError(f"per-layer {key} values {sorted(set(value))} are not supported")
-        value = value[0]
-    return int(value)
+def _float(gf: GGUFFile, key: str, default: float) -> float:
+    """`{arch}.{key}` as a finite positive number (`default` when absent or zero)."""
+    value = gf.arch_value(key)
+    if value is None or value == 0:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(gf, key, "must be a number", value)
+    if not math.isfinite(value) or value < 0:
+        raise _bad(gf, key, "must be a finite positive number", value)
+    return float(value)
 
 
 def check_architecture(gf: GGUFFile) -> tuple[str, str]:
@@ -67,7 +113,7 @@ def check_architecture(gf: GGUFFile) -> tuple[str, str]:
 def _rope_scaling(gf: GGUFFile, theta: float, head_dim: int) -> dict[str, Any] | None:
     """HF `rope_scaling` from the rope.scaling.* keys (or Llama 3's rope_freqs tensor)."""
     kind = gf.arch_value("rope.scaling.type")
-    factor = gf.arch_value("rope.scaling.factor") or gf.arch_value("rope.scale_linear")
+    factor = _float(gf, "rope.scaling.factor", 0.0) or _float(gf, "rope.scale_linear", 0.0)
     if kind is None and factor and factor != 1.0:
         kind = "linear"  # the pre-`scaling.type` key
     if kind in (None, "none"):
@@ -78,13 +124,13 @@ def _rope_scaling(gf: GGUFFile, theta: float, head_dim: int) -> dict[str, Any] |
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
         scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
-        original = gf.arch_value("rope.scaling.original_context_length")
+        original = _int(gf, "rope.scaling.original_context_length", 0, minimum=0)
         if original:
-            scaling["original_max_position_embeddings"] = int(original)
+            scaling["original_max_position_embeddings"] = original
         for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = gf.arch_value(f"rope.scaling.{key}")
+            value = _float(gf, f"rope.scaling.{key}", 0.0)
             if value:
-                scaling[hf_key] = float(value)
+                scaling[hf_key] = value
         return scaling
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (linear and yarn are)")
 
@@ -139,49 +185,80 @@ def gguf_to_hf_config(gf: GGUFFile) -> Any:
     from transformers import CONFIG_MAPPING
 
     model_type, architecture = check_architecture(gf)
-    hidden = int(_required(gf, "embedding_length"))
-    heads = _per_layer_constant(_required(gf, "attention.head_count"), "head_count")
-    kv_heads = _per_layer_constant(gf.arch_value("attention.head_count_kv", heads), "head_count_kv")
-    head_dim = int(gf.arch_value("attention.key_length") or hidden // heads)
-    rope_dim = int(gf.arch_value("rope.dimension_count") or head_dim)
+    hidden = _int(gf, "embedding_length")
+    heads = _int(gf, "attention.head_count")
+    kv_heads = _int(gf, "attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise _bad(gf, "attention.head_count_kv", f"must divide head_count={heads}", kv_heads)
+    head_dim = _int(gf, "attention.key_length", hidden // heads)
+    rope_dim = _int(gf, "rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ValueError(
-            f"partial rotary embeddings (rope dimension {rope_dim} of head_dim {head_dim}) "
-            "are not supported for GGUF checkpoints"
+            f"GGUF file {gf.path.name!r}: partial rotary embeddings (rope dimension "
+            f"{rope_dim} of head_dim {head_dim}) are not supported for GGUF checkpoints"
         )
-    theta = float(gf.arch_value("rope.freq_base") or 10000.0)
+    theta = _float(gf, "rope.freq_base", 10000.0)
     embed = gf.tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"GGUF file {gf.path.name!r} has no token_embd.weight tensor")
-    vocab_size = gf.arch_value("vocab_size") or embed.shape[0]
+    vocab_size = _int(gf, "vocab_size", embed.shape[0] if embed.shape else 0)
     kwargs: dict[str, Any] = {
         "architectures": [architecture],
-        "vocab_size": int(vocab_size),
+        "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(_required(gf, "feed_forward_length")),
-        "num_hidden_layers": int(_required(gf, "block_count")),
+        "intermediate_size": _int(gf, "feed_forward_length"),
+        "num_hidden_layers": _block_count(gf),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": int(gf.arch_value("context_length") or 2048),
-        "rms_norm_eps": float(gf.arch_value("attention.layer_norm_rms_epsilon") or 1e-6),
+        "max_position_embeddings": _int(gf, "context_length", 2048),
+        "rms_norm_eps": _float(gf, "attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": theta,
         "rope_scaling": _rope_scaling(gf, theta, head_dim),
         # llama.cpp writes no output tensor when the head shares the embedding.
         "tie_word_embeddings": "output.weight" not in gf.tensors,
         "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
         "hidden_act": "silu",
-        "dtype": _FILE_TYPE_DTYPES.get(int(gf.metadata.get("general.file_type", -1)), "bfloat16"),
+        "dtype": _file_dtype(gf.metadata.get("general.file_type")),
     }
     for key in ("bos", "eos", "pad"):
-        token_id = gf.metadata.get(f"tokenizer.ggml.{key}_token_id")
-        if token_id is not None:
-            kwargs[f"{key}_token_id"] = int(token_id)
+        name = f"tokenizer.ggml.{key}_token_id"
+        token_id = gf.metadata.get(name)
+        if token_id is None:
+            continue
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(
+                f"GGUF file {gf.path.name!r}: metadata {name} must be a token id, got {token_id!r}"
+            )
+        kwargs[f"{key}_token_id"] = token_id
     if model_type == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in gf.tensors
     if kwargs["rope_scaling"] is None:
         del kwargs["rope_scaling"]
-    return CONFIG_MAPPING[model_type](**kwargs)
+    try:
+        return CONFIG_MAPPING[model_type](**kwargs)
+    except Exception as exc:  # transformers validates sizes with its own error types
+        detail = str(exc).splitlines()[-1].strip() if str(exc) else type(exc).__name__
+        raise ValueError(
+            f"GGUF file {gf.path.name!r}: its metadata is not a valid {model_type} config "
+            f"({detail})"
+        ) from None
+
+
+def _block_count(gf: GGUFFile) -> int:
+    """`block_count`, which must match the layers the tensor directory holds (the config
+    allocates per layer before any tensor is read)."""
+    count = _int(gf, "block_count")
+    layers = {int(n.split(".")[1]) for n in gf.tensors if re.match(r"blk\.\d+\.", n)}
+    if len(layers) != count or (layers and max(layers) != count - 1):
+        raise _bad(gf, "block_count", f"must match the {len(layers)} layers of tensors", count)
+    return count
+
+
+def _file_dtype(file_type: Any) -> str:
+    if isinstance(file_type, int) and file_type in _FILE_TYPE_DTYPES:
+        return _FILE_TYPE_DTYPES[file_type]
+    return "bfloat16"
 
 
 def load_gguf_config(path: str | Path) -> Any:

@@ -51,6 +51,14 @@ _NUMPY: dict[int, str] = {
     12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+# Fewest bytes one item of each kind takes in the file: counts read from the file are
+# checked against the bytes left before anything is built from them.
+_MIN_ITEM_BYTES = {**{t: struct.calcsize(f) for t, f in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, ndims, type, offset
+# ggml tensors have at most four dimensions; metadata arrays nest a level or two.
+_MAX_DIMS = 4
+_MAX_NESTING = 8
 # ggml type ids of the unquantized formats: F32, F16, BF16.
 _FLOAT_QTYPES = frozenset({0, 1, 30})
 
@@ -142,20 +150,38 @@ class _Cursor:
         self.pos = end
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def count(self, what: str, min_item_bytes: int) -> int:
+        """A count read from the file, checked against the bytes that are left."""
+        count = self.scalar("<Q")
+        left = len(self.buffer) - self.pos
+        if count * min_item_bytes > left:
+            raise ValueError(
+                f"{self.path} is truncated or corrupt: it declares {count} {what}, more than "
+                f"its remaining {left} bytes can hold"
+            )
+        return count
+
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            item_type, count = self.scalar("<I"), self.scalar("<Q")
+            if depth >= _MAX_NESTING:
+                raise ValueError(f"{self.path} nests metadata arrays over {_MAX_NESTING} deep")
+            item_type = self.scalar("<I")
+            if item_type not in _MIN_ITEM_BYTES:
+                raise ValueError(
+                    f"{self.path} has an unknown metadata array item type {item_type} (corrupt?)"
+                )
+            count = self.count("array items", _MIN_ITEM_BYTES[item_type])
             if item_type in _NUMPY:
                 # Numeric arrays (token types, scores) are read in one go.
                 dtype = np.dtype(_NUMPY[item_type])
                 values = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.pos)
                 self.pos += dtype.itemsize * count
                 return values.tolist()
-            return [self.value(item_type) for _ in range(count)]
+            return [self.value(item_type, depth + 1) for _ in range(count)]
         raise ValueError(f"{self.path} has an unknown metadata value type {vtype} (corrupt?)")
 
 
@@ -185,6 +211,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
         buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _parse(buffer, path)
+    except (ArithmeticError, RecursionError, UnicodeError, struct.error) as exc:
+        raise ValueError(f"{str(path)!r} is corrupt ({type(exc).__name__}: {exc})") from None
     finally:
         buffer.close()
 
@@ -196,22 +224,33 @@ def _parse(buffer: mmap.mmap, path: Path) -> GGUFFile:
     if version not in (2, 3):
         hint = " (a big-endian file?)" if version > 0xFFFF else ""
         raise ValueError(f"{str(path)!r} has GGUF version {version}{hint}; versions 2 and 3 load")
-    tensor_count, kv_count = cur.scalar("<Q"), cur.scalar("<Q")
+    tensor_count = cur.scalar("<Q")
+    kv_count = cur.count("metadata entries", _MIN_KV_BYTES)
     metadata: dict[str, Any] = {}
     for _ in range(kv_count):
         key = cur.string()
         metadata[key] = cur.value(cur.scalar("<I"))
+    if tensor_count * _MIN_TENSOR_INFO_BYTES > len(buffer) - cur.pos:
+        raise ValueError(
+            f"{str(path)!r} is truncated or corrupt: it declares {tensor_count} tensors, more "
+            "than the rest of the file can describe"
+        )
     directory: list[tuple[str, tuple[int, ...], int, int]] = []
     for _ in range(tensor_count):
         name = cur.string()
         ndims = cur.scalar("<I")
+        if ndims > _MAX_DIMS:
+            raise ValueError(
+                f"{str(path)!r}: tensor {name!r} has {ndims} dimensions (at most {_MAX_DIMS})"
+            )
         ne = [cur.scalar("<Q") for _ in range(ndims)]
         directory.append((name, tuple(reversed(ne)), cur.scalar("<I"), cur.scalar("<Q")))
-    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    alignment = _alignment(metadata, path)
     data_start = -(-cur.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
     for name, shape, qtype, rel_offset in directory:
-        info = TensorInfo(name, qtype, shape, data_start + rel_offset, _nbytes(shape, qtype, name))
+        nbytes = _nbytes(shape, qtype, name, path)
+        info = TensorInfo(name, qtype, shape, data_start + rel_offset, nbytes)
         tensors[name] = info
         end = info.offset + info.nbytes
         if info.nbytes >= 0 and end > len(buffer):
@@ -222,7 +261,16 @@ def _parse(buffer: mmap.mmap, path: Path) -> GGUFFile:
     return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
 
 
-def _nbytes(shape: tuple[int, ...], qtype: int, name: str) -> int:
+def _alignment(metadata: dict[str, Any], path: Path) -> int:
+    value = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(
+            f"{str(path)!r}: metadata general.alignment must be a power of two, got {value!r}"
+        )
+    return value
+
+
+def _nbytes(shape: tuple[int, ...], qtype: int, name: str, path: Path) -> int:
     """Bytes of a tensor; -1 for types we cannot size (they fail when loaded, by name)."""
     try:
         elems, block_bytes = block_layout(qtype)
@@ -232,5 +280,8 @@ def _nbytes(shape: tuple[int, ...], qtype: int, name: str) -> int:
     for dim in shape:
         count *= dim
     if shape and shape[-1] % elems:
-        raise ValueError(f"tensor {name!r} rows are not whole {qtype_name(qtype)} blocks")
+        raise ValueError(
+            f"{str(path)!r}: tensor {name!r} rows of {shape[-1]} are not whole "
+            f"{qtype_name(qtype)} blocks of {elems}"
+        )
     return count // elems * block_bytes

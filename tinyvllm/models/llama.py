@@ -271,7 +271,18 @@ class LlamaForCausalLM(nn.Module):
             stacked_params=self.stacked_params,
             ignore=self._ignored_checkpoint_tensor,
         )
+        self._check_norms_finite()
         finalize_quantized_weights(self)
+
+    def _check_norms_finite(self) -> None:
+        # A NaN/inf norm weight makes every logit NaN (greedy then emits token 0 forever);
+        # the norms are small, so checking them all costs nothing.
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm) and not torch.isfinite(module.weight).all():
+                raise ValueError(
+                    f"checkpoint tensor {name}.weight holds NaN or infinite values "
+                    "(a corrupt file?)"
+                )
 
 
 class MistralForCausalLM(LlamaForCausalLM):

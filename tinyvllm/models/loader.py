@@ -10,9 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tinyvllm.models.checkpoint_check import (
+    TensorDirectory,
+    check_against_checkpoint,
+    open_safetensors,
+    read_tensor_directory,
+)
 from tinyvllm.models.registry import get_model_class
 
 # What a hub download fetches: config, safetensors weights and tokenizer files, never
@@ -136,6 +141,12 @@ def _weight_files(model_dir: Path) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{str(index)!r} is not a valid safetensors index ({exc!r})") from None
+        strange = [n for n in names if not isinstance(n, str) or Path(n).name != n or n == ".."]
+        if strange:
+            raise ValueError(
+                f"{str(index)!r}: weight_map names {strange[0]!r}, which is not a file name "
+                "in the model directory"
+            )
         missing = [name for name in names if not (model_dir / name).is_file()]
         if missing:
             raise FileNotFoundError(
@@ -159,18 +170,20 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weight files in {str(model_dir)!r}{hint}")
 
 
+def tensor_directory(path: Path) -> TensorDirectory:
+    """Tensor names and shapes of a GGUF file or a safetensors model directory."""
+    from tinyvllm.gguf.reader import is_gguf_file
+
+    path = Path(path)
+    return read_tensor_directory(path, None if is_gguf_file(path) else _weight_files(path))
+
+
 def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of the checkpoint, one at a time."""
     for path in _weight_files(Path(model_dir)):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - the handle is not iterable
-                    yield name, handle.get_tensor(name)
-        except SafetensorError as exc:
-            raise ValueError(
-                f"cannot read weight file {str(path)!r}: it is corrupt or truncated ({exc}); "
-                "re-download or re-save it"
-            ) from None
+        with open_safetensors(path) as handle:
+            for name in handle.keys():  # noqa: SIM118 - the handle is not iterable
+                yield name, handle.get_tensor(name)
 
 
 def _iter_weights(
@@ -222,12 +235,22 @@ def load_model(
 
     model_cls = get_model_class(hf_config)
     quant_config = QuantConfig.from_quantization(quantization)
+    path = Path(model_dir)
+    # Every size the model allocates must agree with a tensor really in the file.
+    check_against_checkpoint(hf_config, tensor_directory(path))
     # Parameters are allocated directly on the device in the target dtype (uninitialised:
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, max_model_len, quant_config=quant_config)  # type: ignore[call-arg]
-    weights = _iter_weights(Path(model_dir), hf_config, dtype, device, quantization == "gguf")
-    model.load_weights(weights)  # type: ignore[operator]
+    weights = _iter_weights(path, hf_config, dtype, device, quantization == "gguf")
+    try:
+        model.load_weights(weights)  # type: ignore[operator]
+    except (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):
+        raise  # the device's failures, not the file's
+    except (ValueError, ArithmeticError, RuntimeError, IndexError) as exc:
+        # Numpy/torch shape messages and the loader's own name no file: add it.
+        detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"cannot load the weights of {str(path)!r}: {detail}") from None
     return model.eval()
 
 

@@ -3,6 +3,10 @@
 The library has no torch headers, so it builds in a few seconds with the system C++
 compiler; the result is cached by source hash and CPU flags. Without a compiler, on non-x86
 CPUs or without AVX2/FMA the engine keeps its PyTorch path (`load_library` returns None).
+
+Loading a library runs its constructors, so only a cache the user alone can write is
+trusted: the folder is created 0700, and a folder or library that belongs to someone else or
+is group/world-writable is ignored (the kernels then build in a private temporary folder).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -33,6 +39,8 @@ FLAGS = (
     "-std=c++17",
 )  # fmt: skip
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+# An exported function: `void tv_name(` at the start of a line of a source file.
+_EXPORT = re.compile(r"^void (tv_\w+)\(", re.MULTILINE)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -79,7 +87,7 @@ def library_path() -> Path:
 def build(target: Path) -> None:
     """Compile into a temporary file, then rename, so concurrent processes never load half a
     library. The sources compile in parallel (each takes seconds at -O3), then link."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     cxx = os.environ.get("CXX", "g++")
     compile_flags = [flag for flag in FLAGS if flag != "-shared"]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmpdir:
@@ -106,6 +114,57 @@ def build(target: Path) -> None:
         os.replace(library, target)
 
 
+def exported_symbols() -> list[str]:
+    """The functions the Python side calls, as the sources define them."""
+    return sorted({name for src in SOURCES for name in _EXPORT.findall(src.read_text())})
+
+
+def untrusted_reason(path: Path, is_dir: bool) -> str | None:
+    """Why `path` may have been written by someone else (None when only the user can have)."""
+    info = path.lstat()
+    kind = "folder" if is_dir else "library"
+    expected = stat.S_ISDIR(info.st_mode) if is_dir else stat.S_ISREG(info.st_mode)
+    if not expected:
+        return f"the cached {kind} {path} is not a plain {kind}"
+    if info.st_uid != os.getuid():
+        return f"the cached {kind} {path} belongs to user id {info.st_uid}, not to you"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"the cached {kind} {path} is writable by others (mode {info.st_mode & 0o777:o})"
+    return None
+
+
+def _trusted_cache(path: Path) -> bool:
+    """Create the cache folder 0700 if needed; False (with a warning) when the folder or the
+    library in it is not the user's alone."""
+    folder = path.parent
+    if not folder.exists():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.chmod(0o700)  # mkdir's mode is filtered by the umask
+    reason = untrusted_reason(folder, is_dir=True)
+    if reason is None and (path.exists() or path.is_symlink()):
+        reason = untrusted_reason(path, is_dir=False)
+    if reason is not None:
+        logger.warning("native CPU kernels: not loading the cache (%s); building privately", reason)
+    return reason is None
+
+
+def _open_checked(path: Path) -> ctypes.CDLL | None:
+    """The library at `path`, or None (one log line) when it does not load or lacks a
+    function the Python side calls (a stale or foreign library)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        logger.warning("native CPU kernels off: %s does not load (%s)", path, exc)
+        return None
+    missing = [name for name in exported_symbols() if not hasattr(lib, name)]
+    if missing:
+        logger.warning(
+            "native CPU kernels off: %s lacks %s (delete it to rebuild)", path, ", ".join(missing)
+        )
+        return None
+    return lib
+
+
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first use; None when unsupported here."""
     reason = unsupported_reason()
@@ -114,9 +173,15 @@ def load_library() -> ctypes.CDLL | None:
         return None
     path = library_path()
     try:
-        if not path.exists():
-            build(path)
-        return ctypes.CDLL(str(path))
+        if _trusted_cache(path):
+            if not path.exists():
+                build(path)
+            return _open_checked(path)
+        # mkdtemp folders are 0700 and new; the mapped library outlives its file.
+        with tempfile.TemporaryDirectory(prefix="tinyvllm-native-") as private:
+            own = Path(private) / path.name
+            build(own)
+            return _open_checked(own)
     except (OSError, RuntimeError) as exc:
         logger.warning("native CPU kernels off: %s", exc)
         return None

@@ -34,6 +34,25 @@ def _available_cpu_memory() -> int:
         return 16 << 30
 
 
+def cpu_kv_budget_bytes() -> int:
+    """What the KV cache may take on the CPU by default."""
+    return min(_CPU_DEFAULT_KV_BYTES, int(_available_cpu_memory() * _CPU_MAX_FRACTION))
+
+
+def max_kv_tokens(cache: CacheConfig, per_token_bytes: int, device: torch.device) -> int:
+    """An upper bound on the tokens the KV cache can hold, known before the model loads (the
+    real number, after profiling, is never larger)."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override * cache.block_size
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        budget = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        budget = cpu_kv_budget_bytes()
+    return budget // max(per_token_bytes, 1)
+
+
 def determine_num_blocks(
     cache: CacheConfig,
     layers: list[Attention],
@@ -67,7 +86,7 @@ def determine_num_blocks(
         num_blocks = max(budget, 0) // per_block
         source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
     else:
-        budget = min(_CPU_DEFAULT_KV_BYTES, int(_available_cpu_memory() * _CPU_MAX_FRACTION))
+        budget = cpu_kv_budget_bytes()
         # No point holding more than every sequence at full length can use.
         num_blocks = min(budget // per_block, max_num_seqs * blocks_per_seq)
         source = "CPU default"
