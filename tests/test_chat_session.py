@@ -178,3 +178,61 @@ def test_turn_summary_line() -> None:
         "2 old turn(s) dropped]"
     )
     assert TurnSummary(1, 1, 0.0, None, "stop").line() == "[1 tokens, 0.0 tok/s, prompt 1 tokens]"
+
+
+def test_save_never_overwrites_unless_asked_and_never_follows_symlinks(
+    async_llm: AsyncLLM, tmp_path: Path
+) -> None:
+    session = ChatSession(async_llm, greedy())
+    session.messages = [{"role": "user", "content": "q"}]
+    target = tmp_path / "t.json"
+    target.write_text("precious")
+    with pytest.raises(FileExistsError):
+        session.save(target)
+    assert target.read_text() == "precious"
+    session.save(target, overwrite=True)
+    assert json.loads(target.read_text())["messages"] == session.messages
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    link = tmp_path / "link.md"
+    link.symlink_to(victim)
+    for overwrite in (False, True):
+        with pytest.raises(OSError):
+            session.save(link, overwrite=overwrite)
+    dangling = tmp_path / "dangling.md"
+    dangling.symlink_to(tmp_path / "created-through-link.md")
+    with pytest.raises(OSError):
+        session.save(dangling)
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "created-through-link.md").exists()
+
+
+# b"caf\xe9" read with errors="surrogateescape"; tokenizers raise a bare TypeError on it.
+UNENCODABLE = "caf\udce9 au lait"
+
+
+def test_lone_surrogates_in_llm_generate_are_a_clear_value_error(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"prompt 1: the prompt is not valid Unicode.*'\\udce9'"):
+        llm.generate(["fine", UNENCODABLE], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_lone_surrogates_in_a_stream_or_chat_are_a_clear_value_error(
+    async_llm: AsyncLLM,
+) -> None:
+    bad = UNENCODABLE
+
+    async def stream(prompt: str) -> None:
+        async for _ in async_llm.generate(prompt, greedy()):
+            pass
+
+    with pytest.raises(ValueError, match="lone surrogate"):
+        asyncio.run(stream(bad))
+    session = ChatSession(async_llm, greedy())
+    with pytest.raises(ValueError, match="the message is not valid Unicode"):
+        turn(session, bad)
+    assert session.messages == []
+    with pytest.raises(ValueError, match="the system prompt is not valid Unicode"):
+        session.system = bad
+    assert turn(session, "still works") is not None and len(session.messages) == 2

@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
+import io
+import sys
+from pathlib import Path
+
 import pytest
 
 from tinyvllm.cli import main
+from tinyvllm.runner.model_runner import ModelRunner
+
+
+def tiny_generate(model: Path, *extra: str) -> list[str]:
+    return [
+        "generate",
+        "--model",
+        str(model),
+        "--max-tokens",
+        "5",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        *extra,
+    ]
 
 
 def test_generate_prints_text(tiny_models, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(
-        [
-            "generate",
-            "--model",
-            str(tiny_models["qwen2"]),
-            "--max-tokens",
-            "5",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "128",
-            "hello world",
-        ]
-    )
+    rc = main(tiny_generate(tiny_models["qwen2"], "hello world"))
     assert rc == 0
     captured = capsys.readouterr()
     assert captured.out.strip()
@@ -50,3 +57,53 @@ def test_bad_model_is_one_clear_line(tmp_path, capsys: pytest.CaptureFixture[str
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("tinyvllm: error:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "field"),
+    [
+        ("generate", ["--max-tokens", "0"], "max_tokens"),
+        ("generate", ["--temperature", "-1"], "temperature"),
+        ("generate", ["--top-p", "2"], "top_p"),
+        ("generate", ["--top-k", "-5"], "top_k"),
+        ("check", ["--max-tokens", "0"], "max_tokens"),
+    ],
+)
+def test_bad_sampling_flags_fail_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flag: list[str], field: str
+) -> None:
+    # The model does not exist: an error about it would mean the load was tried first.
+    rc = main([command, "--model", str(tmp_path / "nope.gguf"), *flag, "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("tinyvllm: error:") and field in err, err
+    assert "nope" not in err
+
+
+def test_a_failed_request_is_reported_and_exits_nonzero(
+    tiny_models, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: ModelRunner, sched: object) -> None:
+        raise RuntimeError("injected kernel fault")
+
+    monkeypatch.setattr(ModelRunner, "execute_model", broken)
+    rc = main(tiny_generate(tiny_models["qwen2"], "hello world"))
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == ""
+    assert (
+        "tinyvllm: error: prompt 0 failed: model step failed: RuntimeError: injected kernel "
+        "fault" in captured.err
+    )
+
+
+def test_undecodable_stdin_and_unencodable_prompts(
+    tiny_models, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A POSIX locale hands undecodable bytes on as lone surrogates.
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 \xff"), errors="surrogateescape")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(tiny_generate(tiny_models["qwen2"])) == 0
+    assert capsys.readouterr().out.strip()
+    # argv decoded with surrogateescape: a clear sentence, no tokenizer traceback.
+    rc = main(tiny_generate(tiny_models["qwen2"], "caf\udce9"))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("tinyvllm: error: prompt 0: the prompt is not valid Unicode")

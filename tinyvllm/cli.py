@@ -95,33 +95,49 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _read_stdin() -> str:
+    # Undecodable bytes become U+FFFD: tokenizers take no lone surrogates, which is what
+    # the locale's surrogateescape would otherwise hand on.
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:
+        return sys.stdin.read()
+    return buffer.read().decode("utf-8", errors="replace")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
 
-    prompts = args.prompt or [sys.stdin.read()]
+    params = _sampling_params(args)  # bad flags fail here, before a model load
+    prompts = args.prompt or [_read_stdin()]
     model, kwargs, _ = resolve_cli_model(
         args.model, _engine_kwargs(args), args.revision, args.gguf_file, args.draft
     )
     llm = LLM(model, **kwargs)
-    params = _sampling_params(args)
     start = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    n = 0
-    for out in outputs:
+    n, failed = 0, 0
+    for i, out in enumerate(outputs):
+        if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+            failed += 1
+            print(f"tinyvllm: error: prompt {i} failed: {out.error}", file=sys.stderr)
+            continue
         for comp in out.outputs:
             print(comp.text)
             n += len(comp.token_ids)
     print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
     from tinyvllm.parity import DEFAULT_PROMPTS, load_hf_reference, run_parity
+    from tinyvllm.sampling_params import SamplingParams
+
+    SamplingParams(max_tokens=args.max_tokens)  # a bad --max-tokens fails before the load
 
     model, kwargs, _ = resolve_cli_model(
         args.model, _engine_kwargs(args), args.revision, args.gguf_file
@@ -167,7 +183,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return AsyncLLM(model, **kwargs), label
 
     try:
-        return run_chat(load, args.model, params=params, system=args.system)
+        return run_chat(
+            load, args.model, params=params, system=args.system, commands=args.commands
+        )
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -222,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         "chat",
         help="chat with a model in the terminal",
         description="Chat in the terminal (/help inside lists commands). With stdin not a "
-        "terminal, each input line is one user turn and only answers go to stdout.",
+        "terminal, each input line is one user turn (commands only with --commands) and only "
+        "answers go to stdout.",
     )
     _add_engine_args(chat, draft=True)
     chat.add_argument("--system", default=None, help="system prompt")
@@ -231,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-k", type=int, default=0)
     chat.add_argument("--max-tokens", type=int, default=1024, help="longest answer")
     chat.add_argument("--sample-seed", type=int, default=None)
+    chat.add_argument(
+        "--commands",
+        action="store_true",
+        help="with stdin not a terminal, run input lines starting with / as commands "
+        "(default: every line is a message)",
+    )
     chat.set_defaults(func=cmd_chat)
     return parser
 

@@ -8,14 +8,17 @@ the conversation outgrows the model's context.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tinyvllm.engine.engine import check_text
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -99,7 +102,7 @@ class ChatSession:
         self._settings["output_kind"] = RequestOutputKind.DELTA
         self.params = SamplingParams(**self._settings)
         self.messages: list[Message] = []
-        self._system = system or None
+        self.system = system
         self.notice = notice or logger.warning
         self._request_id: str | None = None
         # Bumped by reset(): a turn still streaming then must not write into the new history.
@@ -113,7 +116,7 @@ class ChatSession:
 
     @system.setter
     def system(self, text: str | None) -> None:
-        self._system = text or None
+        self._system = check_text(text, "the system prompt") if text else None
 
     @property
     def busy(self) -> bool:
@@ -169,6 +172,7 @@ class ChatSession:
         """
         if self.busy:
             raise RuntimeError("an answer is still streaming; stop() it first")
+        check_text(text, "the message")
         self.messages.append({"role": "user", "content": text})
         try:
             prompt, dropped = self._prompt()
@@ -259,18 +263,23 @@ class ChatSession:
         return max(1, min(wanted, max_len // 2))
 
     # ---- transcripts ------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
-        """Write the conversation: Markdown for `.md` / `.markdown`, JSON otherwise."""
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the conversation: Markdown for `.md` / `.markdown`, JSON otherwise.
+
+        Raises FileExistsError if `path` exists and `overwrite` is False, and never follows a
+        symbolic link at `path` (OSError), so a transcript cannot be steered onto another file.
+        """
         path = Path(path).expanduser()
         if path.suffix.lower() in (".md", ".markdown"):
-            path.write_text(self._markdown(), encoding="utf-8")
+            text = self._markdown()
         else:
             data = {
                 "system": self._system,
                 "messages": self.messages,
                 "params": self.settings(),
             }
-            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", "utf-8")
+            text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+        _write_new(path, text, overwrite)
         return path
 
     def _markdown(self) -> str:
@@ -281,6 +290,18 @@ class ChatSession:
             mark = " *(stopped)*" if m.get("stopped") else ""
             blocks.append(f"**{m['role']}:**{mark}\n\n{m['content']}")
         return "\n\n".join(blocks) + "\n"
+
+
+def _write_new(path: Path, text: str, overwrite: bool) -> None:
+    # O_EXCL fails on any existing name, a dangling symlink included; O_NOFOLLOW makes an
+    # allowed overwrite fail on a symlink instead of writing through it.
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, f"{path} is a symbolic link; not following it", str(path))
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    flags |= os.O_TRUNC if overwrite else os.O_EXCL
+    fd = os.open(path, flags, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
 
 
 def _parse_value(key: str, value: Any) -> Any:

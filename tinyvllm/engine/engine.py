@@ -272,7 +272,7 @@ class Engine:
                     "text prompts need a tokenizer, but the engine was started with "
                     "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead"
                 )
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(check_text(prompt)))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -303,6 +303,22 @@ class Engine:
                 f"prompt_token_ids contains out-of-vocabulary id(s) {bad[:5]}; "
                 f"valid ids are 0..{vocab - 1}"
             )
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """`text` if UTF-8 can encode it, else ValueError. Lone surrogates (undecodable bytes read
+    with errors="surrogateescape", or a broken escape) would reach the tokenizer as a bare
+    TypeError about TextEncodeInput."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise ValueError(
+            f"{what} is not valid Unicode text: {bad!r} at character {exc.start} is a lone "
+            "surrogate, which UTF-8 cannot encode (often undecodable bytes in the input); "
+            "remove it or decode the input with errors='replace'"
+        ) from None
+    return text
 
 
 def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:
