@@ -535,6 +535,24 @@ def test_engine_hook_maps_catalog_names_only(tmp_path: Path) -> None:
         assert model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and gguf_file is None
 
 
+def test_python_api_gets_the_cli_sentences_for_typos_and_missing_gguf_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tinyvllm import LLM
+    from tinyvllm.engine.setup import _catalog_files
+
+    with pytest.raises(ModelNotAvailable, match=r"did you mean 'SmolLM2-135M-Instruct'\?"):
+        LLM("SmolLM2-135M-Instrcut")
+    # A relative path that does not exist is no hub repo id: same sentence as an absolute one.
+    monkeypatch.chdir(tmp_path)
+    for spec in (str(tmp_path / "models" / "nope.gguf"), "models/nope.gguf", "nope.gguf"):
+        with pytest.raises(FileNotFoundError) as info:
+            LLM(spec)
+        assert str(info.value) == f"no such GGUF file: {spec!r}"
+    # Names close to nothing in the catalog may still be (legacy) hub ids.
+    assert _catalog_files("gpt2", None) == ("gpt2", None)
+
+
 def test_catalog_and_chat_import_neither_torch_nor_textual() -> None:
     code = (
         "import sys, tinyvllm.catalog, tinyvllm.chat, tinyvllm.chat.repl, "
