@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -495,6 +496,30 @@ def test_failed_pip_leaves_nothing(isolated_dirs: Path, monkeypatch: pytest.Monk
         info.value.reason == "pip failed: Could not find a version that satisfies the requirement x"
     )
     assert list((isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages").iterdir()) == []
+
+
+def test_progress_in_a_log_is_one_line_per_download() -> None:
+    """Not a terminal: no redraws (each would be a line of its own), one line per download
+    that got bytes; a terminal still gets tqdm's bar."""
+    import io
+
+    from tinyvllm.catalog import progress_bar
+
+    log = io.StringIO()
+    with progress_bar(log) as report:
+        report(DownloadProgress("org/failed", 0, 10, 0.0))  # e.g. the hub, offline
+        report(DownloadProgress("pip install llm-x", 0, None, 0.0))  # what pip_install sends
+        report(DownloadProgress("pip install llm-x", 3 * 2**20, None, 1e6))
+    assert re.fullmatch(r"pip install llm-x: 3\.00MB in \d+\.\d s\n", log.getvalue())
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    with progress_bar(tty) as report:
+        report(DownloadProgress("org/m", 50, 100, 10.0))
+    assert "org/m:  50%|" in tty.getvalue()
 
 
 # ---- faces: `tinyvllm models`, LLM("catalog name") ----------------------------------------------

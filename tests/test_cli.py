@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -47,9 +48,14 @@ def test_check_reports_parity(tiny_models, capsys: pytest.CaptureFixture[str]) -
             "128",
         ]
     )
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "greedy agreement 100.0%" in out
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    assert "greedy agreement 100.0%" in captured.out
+    # One line of its own instead of transformers' progress bars.
+    err = captured.err[captured.err.index("loading the transformers reference") :]
+    assert re.fullmatch(
+        r"loading the transformers reference for \S+ \.\.\. done in [\d.]+ s\n", err
+    )
 
 
 def test_bad_model_is_one_clear_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -146,7 +146,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     # Parity is about the implementation: run the same (dequantized) weights HF runs.
     kwargs["quantization"] = args.quantization or "none"
     llm = LLM(model, **kwargs)
-    hf = load_hf_reference(llm.engine.config.model.model_path)
+    model_path = llm.engine.config.model.model_path
+    print(f"loading the transformers reference for {model_path} ...", end="", file=sys.stderr)
+    sys.stderr.flush()
+    start = time.perf_counter()
+    hf = load_hf_reference(model_path)
+    print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     report = run_parity(llm, hf, args.prompt or DEFAULT_PROMPTS, max_tokens=args.max_tokens)
     print(report.summary())
     return 0 if report.identical and report.max_logprob_diff < args.tolerance else 1
@@ -183,9 +188,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return AsyncLLM(model, **kwargs), label
 
     try:
-        return run_chat(
-            load, args.model, params=params, system=args.system, commands=args.commands
-        )
+        return run_chat(load, args.model, params=params, system=args.system, commands=args.commands)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
