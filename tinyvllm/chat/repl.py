@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"
 HISTORY_LENGTH = 1000
+SHUTDOWN_TIMEOUT_S = 30.0
 
 HELP = f"""commands:
   /help              this text
@@ -362,6 +363,14 @@ def run_chat(
         err.write(f"error: the engine stopped: {exc}\n")
         return 1
     finally:
-        (repl.session.llm if repl is not None else llm).shutdown()
+        _shutdown(repl.session.llm if repl is not None else llm, err)
         if repl is not None:
             repl.close()
+
+
+def _shutdown(llm: AsyncLLM, err: TextIO) -> None:
+    # A step in flight ends within seconds; never let a wedged one hold the exit forever.
+    try:
+        llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    except TimeoutError as exc:
+        err.write(f"warning: {exc}; exiting without it\n")
