@@ -105,6 +105,8 @@ class ChatSession:
         self.system = system
         self.notice = notice or logger.warning
         self._request_id: str | None = None
+        # The request stop() was called for: text the engine made after that is not shown.
+        self._stopped_id: str | None = None
         # Bumped by reset(): a turn still streaming then must not write into the new history.
         self._epoch = 0
         self.last_turn: TurnSummary | None = None
@@ -183,12 +185,15 @@ class ChatSession:
         self._request_id, epoch = request_id, self._epoch
         pieces: list[str] = []
         last: Any = None
-        failed = False
+        failed = held_back = False
         try:
             async for out in self.llm.generate(prompt, self.params, request_id=request_id):
                 last = out
                 delta = out.outputs[0].text
-                if delta:
+                if delta and self._stopped_id == request_id:
+                    # Steps already made when the abort lands: the user stopped before them.
+                    held_back = True
+                elif delta:
                     pieces.append(delta)
                     yield delta
         except Exception:
@@ -200,19 +205,21 @@ class ChatSession:
             # Runs also when the consumer leaves early (the stream then aborts the request).
             self._request_id = None
             if not failed and epoch == self._epoch:
-                self._finish_turn("".join(pieces), last, dropped)
+                self._finish_turn("".join(pieces), last, dropped, held_back)
 
     def stop(self) -> None:
         """Abort the answer being streamed (thread-safe; a no-op when idle)."""
         request_id = self._request_id
         if request_id is not None:
+            self._stopped_id = request_id
             self.llm.abort(request_id)
 
-    def _finish_turn(self, answer: str, last: Any, dropped: int) -> None:
-        # A stop() that lost the race with the last token leaves a complete answer.
+    def _finish_turn(self, answer: str, last: Any, dropped: int, held_back: bool) -> None:
+        # A stop() that lost the race with the last token leaves a complete answer, unless
+        # text after the stop was held back.
         finish = last.outputs[0].finish_reason if last is not None else None
         message: Message = {"role": "assistant", "content": answer}
-        if finish in (None, "abort"):
+        if finish in (None, "abort") or held_back:
             message["stopped"] = True
             finish = "abort"
         self.messages.append(message)

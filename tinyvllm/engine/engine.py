@@ -119,6 +119,8 @@ class Engine:
             parent = self.parents.pop(rid, None)
             if parent is None:
                 continue
+            # A stopped request still counts as one; its cut-short latency is no e2e sample.
+            self.stats.record_finished(None)
             child_ids = [c.request_id for c in parent.children]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for cid in child_ids:
