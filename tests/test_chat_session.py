@@ -243,3 +243,54 @@ def test_lone_surrogates_in_a_stream_or_chat_are_a_clear_value_error(
     with pytest.raises(ValueError, match="the system prompt is not valid Unicode"):
         session.system = bad
     assert turn(session, "still works") is not None and len(session.messages) == 2
+
+
+def test_default_sampling_comes_from_the_checkpoint_else_the_fallback(
+    async_llm: AsyncLLM, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from tinyvllm.chat.defaults import (
+        DEFAULT_MAX_TOKENS,
+        FALLBACK_TEMPERATURE,
+        FALLBACK_TOP_P,
+        default_chat_params,
+        model_sampling_defaults,
+    )
+
+    def checkpoint(name: str, generation_config: str | None) -> Any:
+        path = tmp_path / name
+        path.mkdir()
+        if generation_config is not None:
+            (path / "generation_config.json").write_text(generation_config)
+        model = SimpleNamespace(model_path=str(path))
+        return SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(model=model)))
+
+    llama = checkpoint(
+        "llama",
+        '{"do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "eos_token_id": 2}',
+    )
+    assert model_sampling_defaults(llama.engine.config.model.model_path) == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+    }
+    params = default_chat_params(llama, top_k=None, max_tokens=50)  # a flag given, one not
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (
+        0.6,
+        0.9,
+        20,
+        50,
+    )
+    for name, text in [("ids_only", '{"eos_token_id": 2}'), ("broken", "{"), ("none", None)]:
+        params = default_chat_params(checkpoint(name, text))
+        assert (params.temperature, params.top_p) == (FALLBACK_TEMPERATURE, FALLBACK_TOP_P)
+    # A value SamplingParams rejects is ignored, not fatal.
+    assert default_chat_params(checkpoint("odd", '{"top_p": 7}')).top_p == FALLBACK_TOP_P
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert model_sampling_defaults(gguf) == {}
+    # The tiny checkpoint's generation_config has token ids only.
+    session = ChatSession(async_llm)
+    assert session.params.temperature == FALLBACK_TEMPERATURE
+    assert session.params.max_tokens == DEFAULT_MAX_TOKENS

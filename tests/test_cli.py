@@ -73,13 +73,15 @@ def test_bad_model_is_one_clear_line(tmp_path, capsys: pytest.CaptureFixture[str
         ("generate", ["--top-p", "2"], "top_p"),
         ("generate", ["--top-k", "-5"], "top_k"),
         ("check", ["--max-tokens", "0"], "max_tokens"),
+        ("chat", ["--top-p", "0"], "top_p"),
     ],
 )
 def test_bad_sampling_flags_fail_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flag: list[str], field: str
 ) -> None:
     # The model does not exist: an error about it would mean the load was tried first.
-    rc = main([command, "--model", str(tmp_path / "nope.gguf"), *flag, "hi"])
+    prompt = [] if command == "chat" else ["hi"]
+    rc = main([command, "--model", str(tmp_path / "nope.gguf"), *flag, *prompt])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("tinyvllm: error:") and field in err, err
     assert "nope" not in err

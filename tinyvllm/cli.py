@@ -83,16 +83,20 @@ def resolve_cli_model(
     return resolved.model, {**resolved.engine_kwargs(), **engine_kwargs}, label
 
 
+def _sampling_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "max_tokens": args.max_tokens,
+        "seed": args.sample_seed,
+    }
+
+
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from tinyvllm.sampling_params import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sample_seed,
-    )
+    return SamplingParams(**_sampling_flags(args))
 
 
 def _read_stdin() -> str:
@@ -168,9 +172,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from tinyvllm.chat.defaults import default_chat_params
     from tinyvllm.chat.repl import run_chat
 
-    params = _sampling_params(args)
+    # Flags left out take the model's generation_config values, known only after the load;
+    # bad ones fail now, before it.
+    sampling = _sampling_flags(args)
+    default_chat_params(None, **sampling)
     engine_kwargs = _engine_kwargs(args)
     # --revision / --gguf-file describe --model, not what /load switches to later.
     pinned: dict[str, Any] = {
@@ -188,7 +196,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return AsyncLLM(model, **kwargs), label
 
     try:
-        return run_chat(load, args.model, params=params, system=args.system, commands=args.commands)
+        return run_chat(
+            load, args.model, sampling=sampling, system=args.system, commands=args.commands
+        )
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -204,6 +214,8 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tinyvllm.chat.defaults import DEFAULT_MAX_TOKENS, FALLBACK_TEMPERATURE, FALLBACK_TOP_P
+
     parser = argparse.ArgumentParser(prog="tinyvllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -248,10 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(chat, draft=True)
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=0.9)
-    chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--max-tokens", type=int, default=1024, help="longest answer")
+    model_default = "default: the model's generation_config, else "
+    chat.add_argument(
+        "--temperature", type=float, default=None, help=f"{model_default}{FALLBACK_TEMPERATURE}"
+    )
+    chat.add_argument("--top-p", type=float, default=None, help=f"{model_default}{FALLBACK_TOP_P}")
+    chat.add_argument("--top-k", type=int, default=None, help=f"{model_default}0 (off)")
+    chat.add_argument(
+        "--max-tokens", type=int, default=None, help=f"longest answer ({DEFAULT_MAX_TOKENS})"
+    )
     chat.add_argument("--sample-seed", type=int, default=None)
     chat.add_argument(
         "--commands",

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from tinyvllm.chat.defaults import default_chat_params
 from tinyvllm.chat.session import SETTABLE_PARAMS, ChatSession
 from tinyvllm.engine.streams import EngineDeadError, RequestError
 
@@ -324,6 +325,7 @@ def run_chat(
     spec: str,
     *,
     params: Any = None,
+    sampling: dict[str, Any] | None = None,
     system: str | None = None,
     stdin: TextIO | None = None,
     out: TextIO | None = None,
@@ -332,13 +334,16 @@ def run_chat(
     commands: bool = False,
 ) -> int:
     """Load `spec` with `loader`, then chat on the terminal or over the piped input (where
-    lines starting with "/" are commands only if `commands`)."""
+    lines starting with "/" are commands only if `commands`). Sampling: `params`, else the
+    model's defaults with `sampling`'s non-None values over them."""
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     interactive = is_interactive(stdin)
     _replace_undecodable(stdin)
     llm, label = loader(spec)
     repl: Repl | None = None
     try:
+        if params is None:
+            params = default_chat_params(llm, **(sampling or {}))
         session = ChatSession(llm, params, system)
         # Summaries in faint text on a terminal that shows it (https://no-color.org).
         dim = interactive and err.isatty() and not os.environ.get("NO_COLOR")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tinyvllm.chat.defaults import default_chat_params
 from tinyvllm.engine.engine import check_text
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -45,12 +46,6 @@ _NULLABLE = frozenset({"max_tokens", "seed"})
 _DEFAULT_ANSWER_ROOM = 256
 
 Message = dict[str, Any]
-
-
-def default_chat_params() -> SamplingParams:
-    """Sampling for conversation: mild temperature and a cap so a small model cannot ramble
-    through its whole context."""
-    return SamplingParams(temperature=0.7, top_p=0.9, max_tokens=1024)
 
 
 @dataclass(frozen=True)
@@ -95,7 +90,8 @@ class ChatSession:
         notice: Callable[[str], None] | None = None,
     ) -> None:
         self.llm = llm
-        base = params if params is not None else default_chat_params()
+        # Default: the checkpoint's generation_config values, else tinyvllm's (chat/defaults.py).
+        base = params if params is not None else default_chat_params(llm)
         # Kept as plain settings and rebuilt on every change: SamplingParams resets top_p and
         # friends while greedy, and a later /set temperature must not lose what the user set.
         self._settings = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
