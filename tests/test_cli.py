@@ -111,7 +111,9 @@ def test_undecodable_stdin_and_unencodable_prompts(
     monkeypatch.setattr(sys, "stdin", stdin)
     assert main(tiny_generate(tiny_models["qwen2"])) == 0
     assert capsys.readouterr().out.strip()
-    # argv decoded with surrogateescape: a clear sentence, no tokenizer traceback.
-    rc = main(tiny_generate(tiny_models["qwen2"], "caf\udce9"))
-    err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("tinyvllm: error: prompt 0: the prompt is not valid Unicode")
+    # argv decoded with surrogateescape: a clear sentence before any load, no tokenizer
+    # traceback (with --chat the template's text went to the tokenizer unchecked).
+    for chat in ([], ["--chat"]):
+        rc = main(["generate", "--model", "nope.gguf", *chat, "fine", "caf\udce9"])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("tinyvllm: error: prompt 1 is not valid Unicode"), err

@@ -110,9 +110,12 @@ def _read_stdin() -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tinyvllm import LLM
+    from tinyvllm.engine.engine import check_text
 
     params = _sampling_params(args)  # bad flags fail here, before a model load
     prompts = args.prompt or [_read_stdin()]
+    for i, prompt in enumerate(prompts):
+        check_text(prompt, f"prompt {i}")  # e.g. undecodable bytes in argv
     model, kwargs, _ = resolve_cli_model(
         args.model, _engine_kwargs(args), args.revision, args.gguf_file, args.draft
     )
