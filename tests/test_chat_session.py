@@ -253,7 +253,6 @@ def test_default_sampling_comes_from_the_checkpoint_else_the_fallback(
     from tinyvllm.chat.defaults import (
         DEFAULT_MAX_TOKENS,
         FALLBACK_TEMPERATURE,
-        FALLBACK_TOP_P,
         default_chat_params,
         model_sampling_defaults,
     )
@@ -284,9 +283,10 @@ def test_default_sampling_comes_from_the_checkpoint_else_the_fallback(
     )
     for name, text in [("ids_only", '{"eos_token_id": 2}'), ("broken", "{"), ("none", None)]:
         params = default_chat_params(checkpoint(name, text))
-        assert (params.temperature, params.top_p) == (FALLBACK_TEMPERATURE, FALLBACK_TOP_P)
+        assert (params.temperature, params.top_p) == (FALLBACK_TEMPERATURE, 1.0)
     # A value SamplingParams rejects is ignored, not fatal.
-    assert default_chat_params(checkpoint("odd", '{"top_p": 7}')).top_p == FALLBACK_TOP_P
+    odd = default_chat_params(checkpoint("odd", '{"temperature": 0.5, "top_p": 7}'))
+    assert (odd.temperature, odd.top_p) == (FALLBACK_TEMPERATURE, 1.0)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert model_sampling_defaults(gguf) == {}

@@ -217,7 +217,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tinyvllm.chat.defaults import DEFAULT_MAX_TOKENS, FALLBACK_TEMPERATURE, FALLBACK_TOP_P
+    from tinyvllm.chat.defaults import DEFAULT_MAX_TOKENS, FALLBACK_TEMPERATURE
 
     parser = argparse.ArgumentParser(prog="tinyvllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -265,9 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     model_default = "default: the model's generation_config, else "
     chat.add_argument(
-        "--temperature", type=float, default=None, help=f"{model_default}{FALLBACK_TEMPERATURE}"
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"{model_default}{FALLBACK_TEMPERATURE} (greedy)",
     )
-    chat.add_argument("--top-p", type=float, default=None, help=f"{model_default}{FALLBACK_TOP_P}")
+    chat.add_argument("--top-p", type=float, default=None, help=f"{model_default}1.0 (off)")
     chat.add_argument("--top-k", type=int, default=None, help=f"{model_default}0 (off)")
     chat.add_argument(
         "--max-tokens", type=int, default=None, help=f"longest answer ({DEFAULT_MAX_TOKENS})"
