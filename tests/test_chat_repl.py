@@ -137,6 +137,8 @@ def test_load_switches_model_and_keeps_history() -> None:
 
 def test_a_failing_command_reports_one_line_and_keeps_the_conversation(tmp_path: Path) -> None:
     def loader(spec: str) -> tuple[Any, str]:
+        if spec == "big":
+            raise KeyboardInterrupt  # Ctrl-C during the load
         raise ZeroDivisionError("integer division or modulo by zero")  # a corrupt GGUF's
 
     llm = FakeLLM()
@@ -153,6 +155,10 @@ def test_a_failing_command_reports_one_line_and_keeps_the_conversation(tmp_path:
     )
     assert lines[1].startswith(f"error: cannot write {tmp_path}/a\0b.json: ")
     assert lines[2].startswith("error: /save failed: TypeError: ") and len(lines) == 3
+    assert repl.handle("/load big") is True
+    assert err.getvalue().splitlines()[3] == (
+        "error: loading big cancelled; still chatting with the current model"
+    )
     assert repl.session.llm is llm and not llm.shut_down
     assert repl.session.messages == [{"role": "user", "content": "kept"}]
     repl.close()

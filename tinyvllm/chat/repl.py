@@ -217,6 +217,9 @@ class Repl:
         except Exception as exc:  # e.g. a corrupt file tripping the loader: keep the chat
             self._error(f"cannot load {arg}: {type(exc).__name__}: {exc}")
             return
+        except KeyboardInterrupt:  # Ctrl-C during a long load: keep the current model
+            self._error(f"loading {arg} cancelled; still chatting with the current model")
+            return
         old = self.session
         session = ChatSession(llm, old.params, old.system, notice=self._info)
         session.messages = old.messages
