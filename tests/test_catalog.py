@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -567,6 +568,30 @@ def test_unwritable_packages_dir_is_one_sentence(
     assert_one_sentence(str(info.value))
 
 
+def test_progress_in_a_log_is_one_line_per_download() -> None:
+    """Not a terminal: no redraws (each would be a line of its own), one line per download
+    that got bytes; a terminal still gets tqdm's bar."""
+    import io
+
+    from tinyvllm.catalog import progress_bar
+
+    log = io.StringIO()
+    with progress_bar(log) as report:
+        report(DownloadProgress("org/failed", 0, 10, 0.0))  # e.g. the hub, offline
+        report(DownloadProgress("pip install llm-x", 0, None, 0.0))  # what pip_install sends
+        report(DownloadProgress("pip install llm-x", 3 * 2**20, None, 1e6))
+    assert re.fullmatch(r"pip install llm-x: 3\.00MB in \d+\.\d s\n", log.getvalue())
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    with progress_bar(tty) as report:
+        report(DownloadProgress("org/m", 50, 100, 10.0))
+    assert "org/m:  50%|" in tty.getvalue()
+
+
 # ---- faces: `tinyvllm models`, LLM("catalog name") ----------------------------------------------
 def test_models_command_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
@@ -603,6 +628,24 @@ def test_engine_hook_maps_catalog_names_only(tmp_path: Path) -> None:
     if HAS_SMOLLM2:
         model, gguf_file = _catalog_files("smollm2-135m-instruct", None)
         assert model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and gguf_file is None
+
+
+def test_python_api_gets_the_cli_sentences_for_typos_and_missing_gguf_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tinyvllm import LLM
+    from tinyvllm.engine.setup import _catalog_files
+
+    with pytest.raises(ModelNotAvailable, match=r"did you mean 'SmolLM2-135M-Instruct'\?"):
+        LLM("SmolLM2-135M-Instrcut")
+    # A relative path that does not exist is no hub repo id: same sentence as an absolute one.
+    monkeypatch.chdir(tmp_path)
+    for spec in (str(tmp_path / "models" / "nope.gguf"), "models/nope.gguf", "nope.gguf"):
+        with pytest.raises(FileNotFoundError) as info:
+            LLM(spec)
+        assert str(info.value) == f"no such GGUF file: {spec!r}"
+    # Names close to nothing in the catalog may still be (legacy) hub ids.
+    assert _catalog_files("gpt2", None) == ("gpt2", None)
 
 
 def test_catalog_and_chat_import_neither_torch_nor_textual() -> None:

@@ -4,11 +4,13 @@ through a pipe and through a pseudo-terminal (both subprocesses load at the same
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,10 @@ import pytest
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.catalog.dirs import packages_dir
 from tinyvllm.chat import ChatSession
-from tinyvllm.chat.repl import Repl, run_piped
+from tinyvllm.chat.repl import Repl, run_chat, run_piped
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.gguf.bundled import smollm2_gguf_path
+from tinyvllm.native.build import cache_dir as native_cache_dir
 
 # Where `tinyvllm chat` finds it: installed in this environment or in tinyvllm's cache.
 HAS_SMOLLM2 = smollm2_gguf_path() is not None
@@ -134,6 +137,89 @@ def test_load_switches_model_and_keeps_history() -> None:
     repl.close()
 
 
+def test_a_failing_command_reports_one_line_and_keeps_the_conversation(tmp_path: Path) -> None:
+    def loader(spec: str) -> tuple[Any, str]:
+        if spec == "big":
+            raise KeyboardInterrupt  # Ctrl-C during the load
+        raise ZeroDivisionError("integer division or modulo by zero")  # a corrupt GGUF's
+
+    llm = FakeLLM()
+    repl, _, err = make_repl(llm, loader=loader)
+    repl.session.messages.append({"role": "user", "content": "kept"})
+    assert repl.handle("/load broken.gguf") is True
+    assert repl.handle(f"/save {tmp_path}/a\0b.json") is True  # a NUL byte in the path
+    repl.session.save = None  # type: ignore[method-assign]  # any other failure inside a command
+    assert repl.handle(f"/save {tmp_path}/c.json") is True
+    lines = err.getvalue().splitlines()
+    assert (
+        lines[0] == "error: cannot load broken.gguf: ZeroDivisionError: integer division or "
+        "modulo by zero"
+    )
+    assert lines[1].startswith(f"error: cannot write {tmp_path}/a\0b.json: ")
+    assert lines[2].startswith("error: /save failed: TypeError: ") and len(lines) == 3
+    assert repl.handle("/load big") is True
+    assert err.getvalue().splitlines()[3] == (
+        "error: loading big cancelled; still chatting with the current model"
+    )
+    assert repl.session.llm is llm and not llm.shut_down
+    assert repl.session.messages == [{"role": "user", "content": "kept"}]
+    repl.close()
+
+
+def test_save_refuses_to_overwrite_without_bang_and_never_follows_a_symlink(
+    tmp_path: Path,
+) -> None:
+    repl, _, err = make_repl(FakeLLM())
+    target = tmp_path / "chat.json"
+    target.write_text("precious")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "link.json").symlink_to(victim)
+    repl.handle(f"/save {target}")
+    assert target.read_text() == "precious"
+    assert f"error: {target} exists; use /save! {target} to replace it" in err.getvalue()
+    repl.handle(f"/save! {target}")
+    assert json.loads(target.read_text())["messages"] == []
+    repl.handle(f"/save! {tmp_path / 'link.json'}")
+    assert "symbolic link" in err.getvalue().splitlines()[-1]
+    assert victim.read_text() == "precious"
+    repl.handle("/help")
+    assert "/save! FILE" in err.getvalue()
+    repl.close()
+
+
+def test_piped_lines_are_messages_unless_commands_are_on(tiny_models: Any, tmp_path: Path) -> None:
+    """Piped text cannot run /save (or any command) without --commands; undecodable bytes on
+    stdin become U+FFFD instead of a tokenizer TypeError."""
+    target = tmp_path / "planted.json"
+    data = b"/save " + bytes(target) + b"\ncaf\xe9 \xff\n/stats\n"
+
+    def run(commands: bool) -> tuple[int, str, list[Any]]:
+        llms: list[Any] = []
+
+        def loader(spec: str) -> tuple[Any, str]:
+            llm = LLM(str(tiny_models["qwen2"]), dtype="float32", max_model_len=256)
+            llms.append(AsyncLLM(llm.engine))
+            return llms[-1], "tiny"
+
+        # What a POSIX locale gives Python: undecodable bytes as lone surrogates.
+        stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+        out, err = io.StringIO(), io.StringIO()
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        rc = run_chat(
+            loader, "tiny", params=params, stdin=stdin, out=out, err=err, commands=commands
+        )
+        return rc, err.getvalue(), llms
+
+    rc, err, llms = run(commands=False)
+    assert rc == 0 and "error" not in err, err
+    assert len(SUMMARY.findall(err)) == 3 and "KV cache" not in err
+    assert not target.exists() and not llms[0].is_running
+    rc, err, _ = run(commands=True)
+    assert rc == 0 and "error" not in err, err
+    assert len(SUMMARY.findall(err)) == 1 and "KV cache" in err and target.is_file()
+
+
 # ---- the real model, as a user runs it ---------------------------------------------------------
 def chat_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
@@ -147,6 +233,8 @@ def chat_env(root: Path) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", TERM="dumb", NO_COLOR="1", PYTHONUNBUFFERED="1")
     # Two of these run at once: one intra-op thread each keeps them off each other's cores.
     env["OMP_NUM_THREADS"] = "1"
+    # The native kernels this test process built: no compile per subprocess.
+    env["TINYVLLM_CACHE_DIR"] = str(native_cache_dir().parent)
     return env
 
 
@@ -176,7 +264,9 @@ def piped_chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, 
         open(root / "out.txt", "w") as out,
         open(root / "err.txt", "w") as err,
     ):
-        proc = subprocess.Popen(CHAT, stdin=stdin, stdout=out, stderr=err, env=chat_env(root))
+        proc = subprocess.Popen(
+            [*CHAT, "--commands"], stdin=stdin, stdout=out, stderr=err, env=chat_env(root)
+        )
     yield proc, root
     if proc.poll() is None:
         proc.kill()
@@ -244,3 +334,46 @@ def test_real_model_through_a_pipe(piped_chat: Any) -> None:
     assert len(summaries) == 2, err
     assert summaries[1].startswith("[5 tokens") and "hit the token limit" in summaries[1]
     assert "max_tokens=5" in err and "conversation cleared" in err
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (all threads) and of the children it waited
+    for (e.g. a compiler building native kernels), as wait4's rusage counts them; Linux /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_piped_chat_exits_promptly_after_the_last_answer(tiny_models: Any, tmp_path: Path) -> None:
+    """The work between the end of input and the exit is bounded and small. CPU time, not
+    wall time, so a loaded machine does not make it flaky: interpreter teardown used to run
+    full garbage collections over everything torch and transformers allocated (0.5 s of CPU
+    here, 1.5 s with SmolLM2, 12-14 s of wall time under load)."""
+    cmd = [*CHAT[:3], "chat", "--model", str(tiny_models["qwen2"]), "--max-model-len", "256"]
+    cmd += ["--temperature", "0", "--max-tokens", "4", "--dtype", "float32"]
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=chat_env(tmp_path),
+    )
+    try:
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write(b"hello\n")
+        proc.stdin.flush()
+        for line in proc.stderr:  # the answer's summary: the last answer is out
+            if SUMMARY.match(line.decode()):
+                break
+        before, start = _cpu_seconds(proc.pid), time.monotonic()
+        proc.stdin.close()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.monotonic() - start
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    exit_cpu = usage.ru_utime + usage.ru_stime - before
+    assert proc.returncode == 0
+    assert exit_cpu < 0.3 and wall < 30, (exit_cpu, wall)

@@ -6,6 +6,9 @@ for the same tokens (teacher-forced), so one early divergence does not hide late
 
 from __future__ import annotations
 
+import contextlib
+import io
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +111,11 @@ def hf_token_logprobs(hf_model: Any, prompt_ids: list[int], tokens: list[int]) -
 
 
 def load_hf_reference(model_path: str, dtype: str = "float32") -> Any:
-    """The HF model for a model directory, or for a .gguf file (transformers dequantizes it)."""
+    """The HF model for a model directory, or for a .gguf file (transformers dequantizes it).
+
+    transformers' own progress bars (one redraw per GGUF tensor, then "Loading weights") are
+    kept off stderr; what they held is shown only if the load fails.
+    """
     from pathlib import Path
 
     import torch
@@ -120,7 +127,14 @@ def load_hf_reference(model_path: str, dtype: str = "float32") -> Any:
     path = Path(model_path)
     if is_gguf_file(path):
         model_path, kwargs["gguf_file"] = str(path.parent), path.name
-    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    # The GGUF conversion uses a plain tqdm that no transformers switch turns off.
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    except BaseException:
+        sys.stderr.write(captured.getvalue())
+        raise
     return model.eval()
 
 

@@ -256,9 +256,30 @@ def _pip_reason(stderr: str) -> str:
 
 @contextmanager
 def progress_bar(file: Any = None) -> Iterator[ProgressFn]:
-    """A DownloadProgress callback drawing a tqdm bar (size, speed) on stderr."""
+    """A DownloadProgress callback drawing a tqdm bar (size, speed) on stderr; where that is
+    no terminal (a log, a pipe), one line per finished download instead, since every redraw
+    there would be a line of its own."""
     from tqdm.auto import tqdm
 
+    stream = file or sys.stderr
+    if not getattr(stream, "isatty", lambda: False)():
+        last: dict[str, DownloadProgress] = {}
+        started: dict[str, float] = {}
+
+        def note(p: DownloadProgress) -> None:
+            started.setdefault(p.description, time.monotonic())
+            last[p.description] = p
+
+        try:
+            yield note
+        finally:
+            for name, p in last.items():
+                if p.downloaded:  # nothing came: the error says why
+                    size = tqdm.format_sizeof(p.downloaded, "B", 1024)
+                    took = time.monotonic() - started[name]
+                    stream.write(f"{name}: {size} in {took:.1f} s\n")
+            stream.flush()
+        return
     bars: dict[str, Any] = {}
 
     def report(p: DownloadProgress) -> None:
@@ -270,7 +291,7 @@ def progress_bar(file: Any = None) -> Iterator[ProgressFn]:
                 unit="B",
                 unit_scale=True,
                 unit_divisor=1024,
-                file=file or sys.stderr,
+                file=stream,
                 dynamic_ncols=True,
             )
         if p.total is not None and bar.total != p.total:

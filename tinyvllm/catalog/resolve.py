@@ -94,12 +94,7 @@ def resolve_model(
     catalog = catalog if catalog is not None else load_catalog()
     entry = catalog.default if not spec else catalog.get(spec)
     if entry is None:
-        close = difflib.get_close_matches(spec or "", catalog.names, n=1, cutoff=0.5)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ModelNotAvailable(
-            f"unknown model {spec!r}{hint}: it is not a catalog name, a local path or a hub id "
-            "like 'org/name'; `tinyvllm models` lists the catalog"
-        )
+        raise _unknown(spec or "", _close_name(spec or "", catalog))
     resolved = _entry(entry, progress, allow_download)
     if with_draft and entry.draft is not None:
         draft = resolve_model(
@@ -110,11 +105,32 @@ def resolve_model(
 
 
 def resolve_catalog_name(name: str) -> ResolvedModel | None:
-    """`name` resolved if it is a catalog name, else None (for `LLM("SmolLM2-135M-Instruct")`)."""
+    """`name` resolved if it is a catalog name, else None (for `LLM("SmolLM2-135M-Instruct")`).
+
+    A near miss of a catalog name raises ModelNotAvailable with the CLI's "did you mean"
+    rather than going on to the hub as a repo id that cannot exist; a name close to nothing
+    in the catalog (e.g. the legacy hub id "gpt2") still returns None.
+    """
     catalog = load_catalog()
     if catalog.get(name) is None:
+        close = _close_name(name, catalog)
+        if close is not None:
+            raise _unknown(name, close)
         return None
     return resolve_model(name, catalog=catalog)
+
+
+def _close_name(spec: str, catalog: Catalog) -> str | None:
+    close = difflib.get_close_matches(spec, catalog.names, n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
+def _unknown(spec: str, close: str | None) -> ModelNotAvailable:
+    hint = f" (did you mean {close!r}?)" if close else ""
+    return ModelNotAvailable(
+        f"unknown model {spec!r}{hint}: it is not a catalog name, a local path or a hub id "
+        "like 'org/name'; `tinyvllm models` lists the catalog"
+    )
 
 
 def _looks_local(spec: str) -> bool:

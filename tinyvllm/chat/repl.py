@@ -2,8 +2,9 @@
 
 On a terminal: line editing and history (stdlib readline), streamed answers, slash commands,
 Ctrl-C stops an answer (or clears the prompt line), Ctrl-D exits. With stdin not a terminal,
-every input line is one user turn (lines starting with "/" are commands); answers go to
-stdout, everything else to stderr, and the exit status is 0 at the end of input.
+every input line is one user turn (lines starting with "/" are commands only with
+`--commands`, so piped text cannot run /save); answers go to stdout, everything else to stderr,
+and the exit status is 0 at the end of input.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from tinyvllm.chat.defaults import default_chat_params
 from tinyvllm.chat.session import SETTABLE_PARAMS, ChatSession
 from tinyvllm.engine.streams import EngineDeadError, RequestError
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"
 HISTORY_LENGTH = 1000
+SHUTDOWN_TIMEOUT_S = 30.0
 
 HELP = f"""commands:
   /help              this text
@@ -35,7 +38,8 @@ HELP = f"""commands:
   /system [TEXT]     show or set the system prompt (empty TEXT: none)
   /set [KEY=VALUE]   show settings or change one: {", ".join(SETTABLE_PARAMS)}
   /stats             engine statistics (KV cache, throughput, latencies)
-  /save FILE         write the transcript (.md: Markdown, else JSON)
+  /save FILE         write the transcript (.md: Markdown, else JSON); never overwrites
+  /save! FILE        the same, replacing FILE if it exists (never through a symlink)
   /load MODEL        switch model (catalog name, hub id, directory or .gguf), keep history
   /exit              quit (also /quit, Ctrl-D)
 Ctrl-C stops an answer; at the prompt it clears the line."""
@@ -55,8 +59,10 @@ class Repl:
         err: TextIO,
         loader: Loader | None = None,
         dim_summaries: bool = False,
+        commands: bool = True,
     ) -> None:
         self.session = session
+        self.commands = commands  # False: a line starting with "/" is an ordinary message
         self.out, self.err = out, err
         self.loader = loader
         self.dim = dim_summaries
@@ -71,7 +77,7 @@ class Repl:
         text = line.strip()
         if not text:
             return True
-        if text.startswith("/"):
+        if text.startswith("/") and self.commands:
             return self.command(text)
         self.answer(text)
         return True
@@ -133,12 +139,16 @@ class Repl:
             "/set": self._set,
             "/stats": self._stats,
             "/save": self._save,
+            "/save!": self._save_overwrite,
             "/load": self._load,
         }.get(name)
         if handler is None:
             self._error(f"unknown command {name}; /help lists the commands")
-        else:
+            return True
+        try:
             handler(arg)
+        except Exception as exc:  # a failed command must not end the conversation
+            self._error(f"{name} failed: {type(exc).__name__}: {exc}")
         return True
 
     def _help(self, arg: str) -> None:
@@ -175,16 +185,22 @@ class Repl:
     def _stats(self, arg: str) -> None:
         self._info(format_stats(self.session.llm.get_stats()))
 
-    def _save(self, arg: str) -> None:
+    def _save(self, arg: str, overwrite: bool = False) -> None:
         if not arg:
             self._error("use /save FILE (.md for Markdown, anything else JSON)")
             return
         try:
-            path = self.session.save(arg)
-        except OSError as exc:
-            self._error(f"cannot write {arg}: {exc.strerror or exc}")
+            path = self.session.save(arg, overwrite=overwrite)
+        except FileExistsError:
+            self._error(f"{arg} exists; use /save! {arg} to replace it")
+            return
+        except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL byte in the path
+            self._error(f"cannot write {arg}: {getattr(exc, 'strerror', None) or exc}")
             return
         self._info(f"saved {len(self.session.messages)} messages to {path}")
+
+    def _save_overwrite(self, arg: str) -> None:
+        self._save(arg, overwrite=True)
 
     def _load(self, arg: str) -> None:
         if self.loader is None:
@@ -195,8 +211,14 @@ class Repl:
             return
         try:
             llm, label = self.loader(arg)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError) as exc:  # the loader's one-sentence errors
             self._error(str(exc))
+            return
+        except Exception as exc:  # e.g. a corrupt file tripping the loader: keep the chat
+            self._error(f"cannot load {arg}: {type(exc).__name__}: {exc}")
+            return
+        except KeyboardInterrupt:  # Ctrl-C during a long load: keep the current model
+            self._error(f"loading {arg} cancelled; still chatting with the current model")
             return
         old = self.session
         session = ChatSession(llm, old.params, old.system, notice=self._info)
@@ -287,6 +309,15 @@ def history_path() -> Path:
     return user_data_dir() / HISTORY_FILE
 
 
+def _replace_undecodable(stdin: TextIO) -> None:
+    # Undecodable bytes become U+FFFD instead of lone surrogates (which no tokenizer
+    # takes) or a UnicodeDecodeError that would end the session.
+    reconfigure = getattr(stdin, "reconfigure", None)
+    if reconfigure is not None:
+        with contextlib.suppress(ValueError, OSError):
+            reconfigure(errors="replace")
+
+
 def is_interactive(stdin: TextIO | None = None) -> bool:
     stdin = stdin or sys.stdin
     return bool(getattr(stdin, "isatty", lambda: False)())
@@ -297,23 +328,37 @@ def run_chat(
     spec: str,
     *,
     params: Any = None,
+    sampling: dict[str, Any] | None = None,
     system: str | None = None,
     stdin: TextIO | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
     history: Path | None = None,
+    commands: bool = False,
 ) -> int:
-    """Load `spec` with `loader`, then chat on the terminal or over the piped input."""
+    """Load `spec` with `loader`, then chat on the terminal or over the piped input (where
+    lines starting with "/" are commands only if `commands`). Sampling: `params`, else the
+    model's defaults with `sampling`'s non-None values over them."""
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     interactive = is_interactive(stdin)
+    _replace_undecodable(stdin)
     llm, label = loader(spec)
     repl: Repl | None = None
     try:
+        if params is None:
+            params = default_chat_params(llm, **(sampling or {}))
         session = ChatSession(llm, params, system)
         # Summaries in faint text on a terminal that shows it (https://no-color.org).
         dim = interactive and err.isatty() and not os.environ.get("NO_COLOR")
         dim = dim and os.environ.get("TERM") != "dumb"
-        repl = Repl(session, out=out, err=err, loader=loader, dim_summaries=dim)
+        repl = Repl(
+            session,
+            out=out,
+            err=err,
+            loader=loader,
+            dim_summaries=dim,
+            commands=interactive or commands,
+        )
         session.notice = repl._info
         if not interactive:
             return run_piped(repl, stdin)
@@ -326,6 +371,14 @@ def run_chat(
         err.write(f"error: the engine stopped: {exc}\n")
         return 1
     finally:
-        (repl.session.llm if repl is not None else llm).shutdown()
+        _shutdown(repl.session.llm if repl is not None else llm, err)
         if repl is not None:
             repl.close()
+
+
+def _shutdown(llm: AsyncLLM, err: TextIO) -> None:
+    # A step in flight ends within seconds; never let a wedged one hold the exit forever.
+    try:
+        llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    except TimeoutError as exc:
+        err.write(f"warning: {exc}; exiting without it\n")

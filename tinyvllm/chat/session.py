@@ -8,14 +8,18 @@ the conversation outgrows the model's context.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tinyvllm.chat.defaults import default_chat_params
+from tinyvllm.engine.engine import check_text
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.utils.chat_template import render_chat_template
 
@@ -43,12 +47,6 @@ _NULLABLE = frozenset({"max_tokens", "seed"})
 _DEFAULT_ANSWER_ROOM = 256
 
 Message = dict[str, Any]
-
-
-def default_chat_params() -> SamplingParams:
-    """Sampling for conversation: mild temperature and a cap so a small model cannot ramble
-    through its whole context."""
-    return SamplingParams(temperature=0.7, top_p=0.9, max_tokens=1024)
 
 
 @dataclass(frozen=True)
@@ -93,16 +91,19 @@ class ChatSession:
         notice: Callable[[str], None] | None = None,
     ) -> None:
         self.llm = llm
-        base = params if params is not None else default_chat_params()
+        # Default: the checkpoint's generation_config values, else tinyvllm's (chat/defaults.py).
+        base = params if params is not None else default_chat_params(llm)
         # Kept as plain settings and rebuilt on every change: SamplingParams resets top_p and
         # friends while greedy, and a later /set temperature must not lose what the user set.
         self._settings = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
         self._settings["output_kind"] = RequestOutputKind.DELTA
         self.params = SamplingParams(**self._settings)
         self.messages: list[Message] = []
-        self._system = system or None
+        self.system = system
         self.notice = notice or logger.warning
         self._request_id: str | None = None
+        # The request stop() was called for: text the engine made after that is not shown.
+        self._stopped_id: str | None = None
         # Bumped by reset(): a turn still streaming then must not write into the new history.
         self._epoch = 0
         self.last_turn: TurnSummary | None = None
@@ -114,7 +115,7 @@ class ChatSession:
 
     @system.setter
     def system(self, text: str | None) -> None:
-        self._system = text or None
+        self._system = check_text(text, "the system prompt") if text else None
 
     @property
     def busy(self) -> bool:
@@ -170,6 +171,7 @@ class ChatSession:
         """
         if self.busy:
             raise RuntimeError("an answer is still streaming; stop() it first")
+        check_text(text, "the message")
         self.messages.append({"role": "user", "content": text})
         try:
             prompt, dropped = self._prompt()
@@ -180,12 +182,15 @@ class ChatSession:
         self._request_id, epoch = request_id, self._epoch
         pieces: list[str] = []
         last: Any = None
-        failed = False
+        failed = held_back = False
         try:
             async for out in self.llm.generate(prompt, self.params, request_id=request_id):
                 last = out
                 delta = out.outputs[0].text
-                if delta:
+                if delta and self._stopped_id == request_id:
+                    # Steps already made when the abort lands: the user stopped before them.
+                    held_back = True
+                elif delta:
                     pieces.append(delta)
                     yield delta
         except Exception:
@@ -197,19 +202,21 @@ class ChatSession:
             # Runs also when the consumer leaves early (the stream then aborts the request).
             self._request_id = None
             if not failed and epoch == self._epoch:
-                self._finish_turn("".join(pieces), last, dropped)
+                self._finish_turn("".join(pieces), last, dropped, held_back)
 
     def stop(self) -> None:
         """Abort the answer being streamed (thread-safe; a no-op when idle)."""
         request_id = self._request_id
         if request_id is not None:
+            self._stopped_id = request_id
             self.llm.abort(request_id)
 
-    def _finish_turn(self, answer: str, last: Any, dropped: int) -> None:
-        # A stop() that lost the race with the last token leaves a complete answer.
+    def _finish_turn(self, answer: str, last: Any, dropped: int, held_back: bool) -> None:
+        # A stop() that lost the race with the last token leaves a complete answer, unless
+        # text after the stop was held back.
         finish = last.outputs[0].finish_reason if last is not None else None
         message: Message = {"role": "assistant", "content": answer}
-        if finish in (None, "abort"):
+        if finish in (None, "abort") or held_back:
             message["stopped"] = True
             finish = "abort"
         self.messages.append(message)
@@ -258,18 +265,23 @@ class ChatSession:
         return max(1, min(wanted, max_len // 2))
 
     # ---- transcripts ------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
-        """Write the conversation: Markdown for `.md` / `.markdown`, JSON otherwise."""
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the conversation: Markdown for `.md` / `.markdown`, JSON otherwise.
+
+        Raises FileExistsError if `path` exists and `overwrite` is False, and never follows a
+        symbolic link at `path` (OSError), so a transcript cannot be steered onto another file.
+        """
         path = Path(path).expanduser()
         if path.suffix.lower() in (".md", ".markdown"):
-            path.write_text(self._markdown(), encoding="utf-8")
+            text = self._markdown()
         else:
             data = {
                 "system": self._system,
                 "messages": self.messages,
                 "params": self.settings(),
             }
-            path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", "utf-8")
+            text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+        _write_new(path, text, overwrite)
         return path
 
     def _markdown(self) -> str:
@@ -280,6 +292,18 @@ class ChatSession:
             mark = " *(stopped)*" if m.get("stopped") else ""
             blocks.append(f"**{m['role']}:**{mark}\n\n{m['content']}")
         return "\n\n".join(blocks) + "\n"
+
+
+def _write_new(path: Path, text: str, overwrite: bool) -> None:
+    # O_EXCL fails on any existing name, a dangling symlink included; O_NOFOLLOW makes an
+    # allowed overwrite fail on a symlink instead of writing through it.
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, f"{path} is a symbolic link; not following it", str(path))
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    flags |= os.O_TRUNC if overwrite else os.O_EXCL
+    fd = os.open(path, flags, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
 
 
 def _parse_value(key: str, value: Any) -> Any:

@@ -135,6 +135,8 @@ class Engine:
         for rid in request_ids:
             parent = self.parents.get(rid)
             if parent is not None:
+                # A stopped request still counts as one; its cut-short latency is no e2e sample.
+                self.stats.record_finished(None)
                 self._forget(rid, [c.request_id for c in parent.children])
 
     abort = abort_request
@@ -296,7 +298,7 @@ class Engine:
                     "text prompts need a tokenizer, but the engine was started with "
                     "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead"
                 )
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(check_text(prompt)))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -336,6 +338,22 @@ def child_request_id(request_id: str, index: int) -> str:
     after the last '#' is always the index, which makes the mapping one-to-one.
     """
     return f"{request_id}#{index}"
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """`text` if UTF-8 can encode it, else ValueError. Lone surrogates (undecodable bytes read
+    with errors="surrogateescape", or a broken escape) would reach the tokenizer as a bare
+    TypeError about TextEncodeInput."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise ValueError(
+            f"{what} is not valid Unicode text: {bad!r} at character {exc.start} is a lone "
+            "surrogate, which UTF-8 cannot encode (often undecodable bytes in the input); "
+            "remove it or decode the input with errors='replace'"
+        ) from None
+    return text
 
 
 def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:

@@ -182,7 +182,11 @@ def _context_bounds(
 def _catalog_files(model: str, gguf_file: str | None) -> tuple[str, str | None]:
     """A catalog name (`LLM("SmolLM2-135M-Instruct")`) -> its files; anything else as given.
     Paths and hub ids ("org/name") never reach the catalog."""
-    if gguf_file is not None or "/" in model or os.path.exists(os.path.expanduser(model)):
+    exists = os.path.exists(os.path.expanduser(model))
+    if gguf_file is None and not exists and model.lower().endswith(".gguf"):
+        # Relative like absolute: a missing .gguf file is missing, not a hub repo id.
+        raise FileNotFoundError(f"no such GGUF file: {model!r}")
+    if gguf_file is not None or "/" in model or exists:
         return model, gguf_file
     from tinyvllm.catalog import resolve_catalog_name
 
