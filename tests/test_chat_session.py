@@ -223,6 +223,8 @@ def test_lone_surrogates_in_llm_generate_are_a_clear_value_error(llm: LLM) -> No
     with pytest.raises(ValueError, match=r"prompt 1: the prompt is not valid Unicode.*'\\udce9'"):
         llm.generate(["fine", UNENCODABLE], greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="the chat is not valid Unicode"):
+        llm.chat([{"role": "user", "content": UNENCODABLE}], greedy(), use_tqdm=False)
 
 
 def test_lone_surrogates_in_a_stream_or_chat_are_a_clear_value_error(

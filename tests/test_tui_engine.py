@@ -45,17 +45,21 @@ def test_tiny_engine_chat_and_stats(tiny_models: dict[str, Path]) -> None:
                 assert panel.stats is not None and panel.stats.total_generation_tokens == 0
                 session = app.chat.session
                 assert session is not None
-                # Sampling settings apply to the session; bad values are reported in place.
+                # The session keeps its own defaults (the checkpoint's generation_config, else
+                # greedy): the panel shows them and does not override them with its own.
+                assert session.params.temperature == 0.0
                 await pilot.press("ctrl+o")
                 settings = app.chat.query_one(SettingsPanel)
                 assert settings.display
+                assert settings.query_one("#set-temperature", Input).value == "0.0"
                 settings.query_one("#set-max_tokens", Input).value = "24"
                 settings.query_one("#set-top_p", Input).value = "1.5"
                 error = settings.query_one("#settings-error", Static)
                 await wait_until(pilot, lambda: "top_p" in str(error.render()), "the error")
                 settings.query_one("#set-top_p", Input).value = "0.8"
                 await wait_until(pilot, lambda: not str(error.render()), "the error to clear")
-                assert session.params.max_tokens == 24 and session.params.top_p == 0.8
+                # (top_p is kept as set; greedy sampling itself ignores it.)
+                assert session.params.max_tokens == 24 and session.settings()["top_p"] == 0.8
                 await pilot.press("ctrl+o")
                 await send(pilot, "hello there")
                 await wait_until(pilot, lambda: len(session.messages) == 2, "the answer")

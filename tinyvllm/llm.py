@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tinyvllm.config import EngineArgs
-from tinyvllm.engine.engine import Engine, PromptType
+from tinyvllm.engine.engine import Engine, PromptType, check_text
 from tinyvllm.engine.stats import EngineStats
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
@@ -102,7 +102,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}),
             )
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = tokenizer.encode(check_text(text, "the chat"), add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -48,6 +48,8 @@ class ChatLike(Protocol):
 
     def set_param(self, key: str, value: Any) -> None: ...
 
+    def settings(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class CatalogRow:

@@ -173,6 +173,10 @@ class ScriptedSession:
             raise ValueError(f"temperature must be non-negative, got {value}")
         self.params[key] = value
 
+    def settings(self) -> dict[str, Any]:
+        """Like ChatSession: greedy unless told otherwise."""
+        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 1024, **self.params}
+
 
 class ScriptedBackend:
     def __init__(

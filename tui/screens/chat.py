@@ -118,8 +118,11 @@ class ChatScreen(Screen[None]):
         self._status(self._ready_line())
 
     def _apply_settings(self) -> None:
-        for key, value in self.query_one(SettingsPanel).values.items():
+        panel = self.query_one(SettingsPanel)
+        for key, value in panel.edited_values().items():
             self._apply(key, value)
+        if self.session is not None:
+            panel.show_session_values(self.session.settings())
 
     async def new_chat(self) -> None:
         await self.stop_generation()

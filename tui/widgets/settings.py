@@ -18,8 +18,9 @@ FIELDS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("top_k", "top_k (0 = off)", int, "integer"),
     ("max_tokens", "max_tokens", int, "integer"),
 )
-# ChatSession's own defaults; the panel's values are applied to every new session.
-DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "max_tokens": 1024}
+# Shown until a session says what it uses (the checkpoint's generation_config, else greedy);
+# only fields the user edits are applied to a session, so these never override the model's.
+DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 1024}
 
 
 class SettingsPanel(VerticalScroll):
@@ -34,6 +35,9 @@ class SettingsPanel(VerticalScroll):
     def __init__(self, values: dict[str, Any] | None = None, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.values = {**DEFAULTS, "system": "", **(values or {})}
+        # Fields the user changed: these follow the user to every new session; the rest show
+        # whatever the session chose.
+        self.edited: set[str] = set()
 
     def compose(self) -> ComposeResult:
         yield Static("Sampling", classes="stats-title")
@@ -43,6 +47,20 @@ class SettingsPanel(VerticalScroll):
         yield Label("system prompt")
         yield TextArea(self.values["system"], id="set-system", soft_wrap=True)
         yield Static("", id="settings-error")
+
+    def edited_values(self) -> dict[str, Any]:
+        """What the user set here (the system prompt always: empty means none)."""
+        edited = {key: self.values[key] for key in self.edited}
+        return {**edited, "system": self.values["system"]}
+
+    def show_session_values(self, settings: dict[str, Any]) -> None:
+        """Show a session's own values in the fields the user has not edited."""
+        for key, _, _, _ in FIELDS:
+            if key in self.edited or settings.get(key) is None:
+                continue
+            self.values[key] = settings[key]  # set first: the Input.Changed echo is then no edit
+            if self.is_mounted:
+                self.query_one(f"#set-{key}", Input).value = str(settings[key])
 
     def show_error(self, message: str) -> None:
         error = self.query_one("#settings-error", Static)
@@ -63,6 +81,7 @@ class SettingsPanel(VerticalScroll):
             return
         if value != self.values.get(key):
             self.values[key] = value
+            self.edited.add(key)
             self.post_message(self.Changed(key, value))
 
     @on(TextArea.Changed, "#set-system")
