@@ -13,7 +13,7 @@ from test_scheduler import check_invariants, fake_run, make_scheduler
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.core.block_pool import ROOT_HASH, BlockPool, hash_block
 from tinyvllm.core.kv_cache_manager import KVCacheManager
-from tinyvllm.engine.request import Request, RequestStatus
+from tinyvllm.request import Request, RequestStatus
 
 BS = 4
 

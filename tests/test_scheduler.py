@@ -13,7 +13,7 @@ from tinyvllm.core.block_pool import BlockPool
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.core.scheduler import Scheduler
-from tinyvllm.engine.request import Request, RequestStatus
+from tinyvllm.request import Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 
 EOS = 2

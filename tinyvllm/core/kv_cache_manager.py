@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinyvllm.core.block_pool import ROOT_HASH, BlockHash, BlockPool, hash_block
-from tinyvllm.engine.request import Request
+from tinyvllm.request import Request
 
 
 @dataclass

@@ -20,7 +20,7 @@ from tinyvllm.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from tinyvllm.engine.request import Request, RequestStatus
+from tinyvllm.request import Request, RequestStatus
 
 
 @dataclass

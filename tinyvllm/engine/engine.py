@@ -12,10 +12,10 @@ from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
-from tinyvllm.engine.request import Request, RequestStatus
 from tinyvllm.engine.setup import build_engine_config, load_tokenizer
 from tinyvllm.engine.stats import EngineStats, StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
+from tinyvllm.request import Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
