@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tinyvllm.runner.sampling import step_seed
 from tinyvllm.sample import SAMPLING_EPS, Sampler, SamplingMetadata, compute_token_logprobs
+from tinyvllm.sample.metadata import step_seed
 from tinyvllm.sample.sampler import apply_min_p_, apply_temperature, apply_top_k_top_p_
 from tinyvllm.spec_decode import RejectionSampler, max_draft_tokens
 

@@ -6,19 +6,7 @@ import torch
 
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import LogprobsTensors
-from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata
-
-_MIX_A = 0x9E3779B97F4A7C15
-_MIX_B = 0xBF58476D1CE4E5B9
-
-
-def step_seed(seed: int, output_index: int) -> int:
-    """A request's seed for its `output_index`-th token.
-
-    Seeding by position (instead of carrying one generator along) keeps a seeded request's
-    samples identical whatever it is batched with, and across preemption and recompute.
-    """
-    return (seed * _MIX_A + (output_index + 1) * _MIX_B) & (2**63 - 1)
+from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata, step_seed
 
 
 def build_sampling_metadata(

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tinyvllm.runner.sampling import step_seed
 from tinyvllm.sample.logprobs import LogprobsTensors, compute_token_logprobs
-from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata
+from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata, step_seed
 from tinyvllm.sample.penalties import apply_min_tokens_mask, apply_penalties
 from tinyvllm.sample.sampler import (
     apply_min_p_,
