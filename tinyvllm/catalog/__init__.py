@@ -7,7 +7,6 @@ disk without the network; `resolve_model(spec)` turns a catalog name, hub id, di
 
 from __future__ import annotations
 
-from tinyvllm.catalog.dirs import user_cache_dir, user_catalog_path, user_config_dir, user_data_dir
 from tinyvllm.catalog.download import DownloadProgress, progress_bar
 from tinyvllm.catalog.entries import (
     Catalog,
@@ -24,6 +23,7 @@ from tinyvllm.catalog.resolve import (
     resolve_catalog_name,
     resolve_model,
 )
+from tinyvllm.utils.dirs import user_cache_dir, user_catalog_path, user_config_dir, user_data_dir
 
 __all__ = [
     "Catalog",

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinyvllm.catalog.dirs import hf_hub_cache, packages_dir
 from tinyvllm.catalog.entries import (
     HubSource,
     PackageSource,
@@ -25,6 +24,8 @@ from tinyvllm.catalog.entries import (
     package_name_problem,
 )
 from tinyvllm.catalog.locate import LocalModel, locate_package
+from tinyvllm.utils.dirs import hf_hub_cache, packages_dir
+from tinyvllm.utils.hub import HUB_ALLOW_PATTERNS
 
 # Progress callbacks are rate-limited to this many per second (the last one always comes).
 _REPORTS_PER_S = 10
@@ -147,8 +148,6 @@ def _hub_files(hub: HubSource) -> list[tuple[str, int | None]]:
         if not matches:
             raise DownloadFailed(f"repo {hub.repo} has no file matching {hub.file!r}")
         return matches[:1]
-    from tinyvllm.models.loader import HUB_ALLOW_PATTERNS
-
     wanted = [s for s in siblings if any(fnmatch.fnmatch(s[0], p) for p in HUB_ALLOW_PATTERNS)]
     if not any(name == "config.json" for name, _ in wanted):
         raise DownloadFailed(f"repo {hub.repo} has no config.json")

@@ -14,7 +14,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from tinyvllm.catalog.dirs import user_catalog_path
+from tinyvllm.utils.dirs import user_catalog_path
 
 SHIPPED_NAME = "models.toml"
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -6,9 +6,9 @@ import dataclasses
 import json
 from typing import Any
 
-from tinyvllm.catalog.dirs import user_catalog_path
 from tinyvllm.catalog.entries import Catalog, CatalogEntry, load_catalog
 from tinyvllm.catalog.locate import LocalModel, locate
+from tinyvllm.utils.dirs import user_catalog_path
 
 _COLUMNS = ("NAME", "PARAMS", "FAMILY", "CONTEXT", "CHAT", "ON DISK")
 

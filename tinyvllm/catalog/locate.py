@@ -8,7 +8,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinyvllm.catalog.dirs import hf_hub_cache, packages_dir
 from tinyvllm.catalog.entries import (
     CatalogEntry,
     HubSource,
@@ -16,6 +15,7 @@ from tinyvllm.catalog.entries import (
     package_file_problem,
     package_name_problem,
 )
+from tinyvllm.utils.dirs import hf_hub_cache, packages_dir
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A safetensors snapshot is usable when it has the config, a tokenizer and weights.

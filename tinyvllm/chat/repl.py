@@ -304,7 +304,7 @@ def _setup_readline(history: Path | None) -> Any:
 
 
 def history_path() -> Path:
-    from tinyvllm.catalog.dirs import user_data_dir
+    from tinyvllm.utils.dirs import user_data_dir
 
     return user_data_dir() / HISTORY_FILE
 

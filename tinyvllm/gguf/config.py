@@ -270,7 +270,7 @@ def tokenizer_cache_dir(path: Path) -> Path:
     transformers version that converted it."""
     import transformers
 
-    from tinyvllm.catalog.dirs import user_cache_dir
+    from tinyvllm.utils.dirs import user_cache_dir
 
     st = path.stat()
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"

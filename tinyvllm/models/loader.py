@@ -19,23 +19,7 @@ from tinyvllm.models.checkpoint_check import (
     read_tensor_directory,
 )
 from tinyvllm.models.registry import get_model_class
-
-# What a hub download fetches: config, safetensors weights and tokenizer files, never
-# pickled .bin/.pt weights or other formats the repo may also carry.
-HUB_ALLOW_PATTERNS: tuple[str, ...] = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+from tinyvllm.utils.hub import HUB_ALLOW_PATTERNS
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

