@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyvllm.cli import main
+from tinyvllm.cli import build_parser, main
 from tinyvllm.runner.model_runner import ModelRunner
 
 
@@ -117,3 +118,13 @@ def test_undecodable_stdin_and_unencodable_prompts(
         rc = main(["generate", "--model", "nope.gguf", *chat, "fine", "caf\udce9"])
         err = capsys.readouterr().err
         assert rc == 2 and err.startswith("tinyvllm: error: prompt 1 is not valid Unicode"), err
+
+
+def test_tui_module_and_tui_command_take_the_same_arguments() -> None:
+    from tinyvllm_tui.cli import build_parser as build_tui_parser
+
+    def options(parser: argparse.ArgumentParser) -> list[tuple[object, ...]]:
+        return [(a.option_strings, a.default, a.type, a.help) for a in parser._actions]
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert options(sub.choices["tui"]) == options(build_tui_parser())

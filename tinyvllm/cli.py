@@ -207,6 +207,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 130
 
 
+def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
+    """`tinyvllm tui`'s arguments, also those of `python -m tinyvllm_tui` (the TUI imports
+    them from here: it sits above tinyvllm, never the other way round)."""
+    parser.add_argument(
+        "--model", "-m", default=None, help="catalog name, hub id, directory or .gguf file"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=2048, help="context length (default 2048)"
+    )
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument(
+        "--demo", action="store_true", help="a scripted model and stats (no engine), to try the UI"
+    )
+
+
 def cmd_tui(args: argparse.Namespace) -> int:
     # The TUI is a separate package (tinyvllm_tui); tinyvllm itself never imports textual.
     try:
@@ -243,10 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.set_defaults(func=cmd_check)
 
     tui = sub.add_parser("tui", help="terminal UI: pick a model, chat, watch the engine")
-    tui.add_argument("--model", "-m", default=None, help="catalog name, hub id, dir or .gguf")
-    tui.add_argument("--max-model-len", type=int, default=2048)
-    tui.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    tui.add_argument("--demo", action="store_true", help="scripted model and stats, no engine")
+    add_tui_arguments(tui)
     tui.set_defaults(func=cmd_tui)
 
     models = sub.add_parser("models", help="list the model catalog and what is on disk")

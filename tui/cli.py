@@ -1,23 +1,12 @@
-"""`python -m tinyvllm_tui` and the runner behind `tinyvllm tui` (tinyvllm/cli.py declares
-the same arguments; keep the two in step)."""
+"""`python -m tinyvllm_tui` and the runner behind `tinyvllm tui` (both take the arguments
+declared once in tinyvllm/cli.py)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", "-m", default=None, help="catalog name, hub id, directory or .gguf file"
-    )
-    parser.add_argument(
-        "--max-model-len", type=int, default=2048, help="context length (default 2048)"
-    )
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument(
-        "--demo", action="store_true", help="a scripted model and stats (no engine), to try the UI"
-    )
+from tinyvllm.cli import add_tui_arguments
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -42,7 +31,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinyvllm tui", description="tinyvllm's terminal UI")
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    add_tui_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))
