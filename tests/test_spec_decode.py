@@ -262,6 +262,20 @@ def test_draft_vocabulary_must_match(tiny_models: Any, tmp_path: Any) -> None:
         LLM(str(tiny_models["llama"]), speculative_config=_draft_config(str(other)))
 
 
+def test_draft_checkpoint_is_checked_like_the_target(tiny_models: Any, tmp_path: Any) -> None:
+    import shutil
+
+    other = tmp_path / "draft"
+    shutil.copytree(tiny_models["llama"], other)
+    (other / "config.json").write_text('{"vocab_size": ')
+    with pytest.raises(ValueError) as as_target:
+        LLM(str(other))
+    with pytest.raises(ValueError) as as_draft:
+        LLM(str(tiny_models["llama"]), speculative_config=_draft_config(str(other)))
+    assert "cannot read the model config" in str(as_target.value)
+    assert str(as_draft.value) == str(as_target.value)
+
+
 def test_unseeded_sampling_keeps_the_target_distribution(tiny_models: Any) -> None:
     """Many unseeded samples with and without a (greedy, target-identical) draft: the
     distribution of each generated position must be the same. Drafts are accepted only when

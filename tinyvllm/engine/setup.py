@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from tinyvllm.config import (
@@ -21,34 +19,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine_config(args: EngineArgs) -> EngineConfig:
-    from transformers import AutoConfig
-
-    from tinyvllm.gguf.paths import resolve_gguf_path
-    from tinyvllm.models.loader import resolve_model_path
-    from tinyvllm.models.registry import get_model_class
+    from tinyvllm.models.checkpoint import resolve_checkpoint
     from tinyvllm.utils.device import choose_dtype, resolve_device
 
     model, gguf_file = _catalog_files(args.model, args.gguf_file)
-    # A GGUF checkpoint is one file: config, tokenizer and weights all come from it.
-    gguf_path = resolve_gguf_path(model, gguf_file, args.revision, args.download_dir)
-    if gguf_path is not None:
-        from tinyvllm.gguf.config import load_gguf_config
-
-        model_path, hf_config = gguf_path, load_gguf_config(gguf_path)
-    else:
-        model_path = resolve_model_path(model, args.revision, args.download_dir)
-        _check_layer_count_first(model_path)
-        try:
-            hf_config = AutoConfig.from_pretrained(
-                str(model_path), trust_remote_code=args.trust_remote_code
-            )
-        except Exception as exc:  # transformers raises many types for a bad config.json
-            detail = str(exc).splitlines()[-1].strip() if str(exc) else type(exc).__name__
-            raise ValueError(
-                f"cannot read the model config {str(model_path / 'config.json')!r}: {detail}"
-            ) from exc
-    get_model_class(hf_config)  # unsupported architectures fail before any weights load
-    _check_config(hf_config, model_path, gguf_path is not None)
+    checkpoint = resolve_checkpoint(
+        model, gguf_file, args.revision, args.download_dir, args.trust_remote_code
+    )
+    model_path, hf_config = checkpoint.path, checkpoint.hf_config
+    gguf_path = model_path if checkpoint.is_gguf else None
     quantization = _resolve_quantization(args.quantization, gguf_path)
     device = resolve_device(args.device)
     dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
@@ -127,35 +106,6 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         speculative=_speculative_config(args.speculative_config),
     )
-
-
-def _check_layer_count_first(model_path: Path) -> None:
-    """transformers builds per-layer lists while it reads config.json (Qwen's `layer_types`),
-    so an absurd layer count must meet the checkpoint's tensors before AutoConfig runs."""
-    from tinyvllm.models.checkpoint_check import check_layer_count
-    from tinyvllm.models.loader import tensor_directory
-
-    try:
-        raw = json.loads((model_path / "config.json").read_text())
-        directory = tensor_directory(model_path)
-    except (OSError, ValueError):
-        return  # AutoConfig or the loader reports these, in their order
-    layers = raw.get("num_hidden_layers") if isinstance(raw, dict) else None
-    if isinstance(layers, int) and not isinstance(layers, bool):
-        check_layer_count(layers, directory)
-
-
-def _check_config(hf_config: Any, model_path: Any, is_gguf: bool) -> None:
-    from tinyvllm.models.checkpoint_check import TensorDirectory, check_config_values
-
-    if is_gguf:
-        from tinyvllm.gguf.config import hf_field_names
-
-        names = hf_field_names(hf_config.model_type)
-        where = TensorDirectory(f"GGUF file {str(model_path)!r}", {}, names)
-    else:
-        where = TensorDirectory(repr(str(model_path / "config.json")), {})
-    check_config_values(hf_config, where.origin, where.describe)
 
 
 # Share of the CPU KV budget the per-position tables may take (rope cos/sin, and the

@@ -22,27 +22,19 @@ from tinyvllm.runner.states import RequestStates
 def load_draft_model(
     model: str, target_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int
 ) -> torch.nn.Module:
-    """The draft checkpoint (local dir, hub id or .gguf), built like the target; its
-    vocabulary must be the target's, or its token ids would mean other tokens."""
-    from transformers import AutoConfig
+    """The draft checkpoint (local dir, hub id or .gguf), resolved and built like the target;
+    its vocabulary must be the target's, or its token ids would mean other tokens."""
+    from tinyvllm.models.checkpoint import resolve_checkpoint
+    from tinyvllm.models.loader import load_model
 
-    from tinyvllm.gguf.paths import resolve_gguf_path
-    from tinyvllm.models.loader import load_model, resolve_model_path
-
-    gguf_path = resolve_gguf_path(model, None, None, None)
-    if gguf_path is not None:
-        from tinyvllm.gguf.config import load_gguf_config
-
-        path, config = gguf_path, load_gguf_config(gguf_path)
-    else:
-        path = resolve_model_path(model)
-        config = AutoConfig.from_pretrained(str(path))
+    checkpoint = resolve_checkpoint(model)
+    config = checkpoint.hf_config
     if config.vocab_size != target_config.vocab_size:
         raise ValueError(
             f"draft model {model!r} has vocab_size {config.vocab_size} but the target has "
             f"{target_config.vocab_size}; a draft model must share the target's tokenizer"
         )
-    return load_model(path, config, dtype, device, max_model_len)
+    return load_model(checkpoint.path, config, dtype, device, max_model_len)
 
 
 class DraftModelProposer:
