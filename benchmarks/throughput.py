@@ -402,16 +402,12 @@ def run_peers(
 
 # ---- report -------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
+    from tinyvllm.utils.cpu import cpu_flags, cpuinfo
+
     cpu = platform.processor() or "unknown"
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("unknown", "", platform.machine()):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    if cpu in ("unknown", "", platform.machine()):
+        cpu = (cpuinfo() or {}).get("model name", cpu)
+    flags = set(cpu_flags())
     import transformers
 
     return {

@@ -5,6 +5,7 @@ catalog/, `import tinyvllm`) never load torch, not even through another module."
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,6 +124,42 @@ def _path(edges: dict[str, dict[str, str]], start: str, goal: str) -> list[str] 
                 parents[nxt] = node
                 todo.append(nxt)
     return None
+
+
+def _sources() -> dict[str, str]:
+    folders = ("tinyvllm", "tui", "benchmarks")
+    return {
+        str(path.relative_to(ROOT)): path.read_text()
+        for folder in folders
+        for path in sorted((ROOT / folder).rglob("*.py"))
+    }
+
+
+@pytest.mark.parametrize(
+    ("pattern", "owner"),
+    [
+        (r"/proc/cpuinfo", "tinyvllm/utils/cpu.py"),
+        (r"^\s*(import|from) platformdirs\b", "tinyvllm/utils/dirs.py"),
+    ],
+)
+def test_host_facts_have_one_reader(pattern: str, owner: str) -> None:
+    """CPU features and user dirs are looked up in one module each; the rest asks it."""
+    found = re.compile(pattern, re.MULTILINE)
+    assert [name for name, text in _sources().items() if found.search(text)] == [owner]
+
+
+def test_cpuinfo_reads_the_first_processor(tmp_path: Path) -> None:
+    from tinyvllm.utils.cpu import cpuinfo
+
+    path = tmp_path / "cpuinfo"
+    path.write_text(
+        "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+        "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n"
+    )
+    info = cpuinfo(path)
+    assert info is not None and info["model name"] == "Some CPU"
+    assert info["flags"].split() == ["fpu", "avx2", "avx512_bf16"]
+    assert cpuinfo(tmp_path / "missing") is None
 
 
 @pytest.fixture(scope="module")

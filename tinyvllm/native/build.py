@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tinyvllm.utils.cpu import cpu_flags
 from tinyvllm.utils.dirs import native_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -43,16 +44,6 @@ FLAGS = (
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # An exported function: `void tv_name(` at the start of a line of a source file.
 _EXPORT = re.compile(r"^void (tv_\w+)\(", re.MULTILINE)
-
-
-def cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def unsupported_reason() -> str | None:
