@@ -10,7 +10,7 @@ is preempted: its blocks are freed and it re-enters the front of the queue to re
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyvllm.config import SchedulerConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
@@ -30,6 +30,22 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
+
+
+@dataclass
+class _StepPlan:
+    """What one `schedule()` call has handed out so far."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    cached: CachedRequestData = field(default_factory=CachedRequestData)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    # Hashes of full blocks whose KV this step computes: a waiting request whose next
+    # uncached block is among them waits one step and then reads it from the cache,
+    # instead of computing the same prefix alongside.
+    inflight: set[bytes] = field(default_factory=set)
 
 
 class Scheduler:
@@ -78,22 +94,30 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        cached = CachedRequestData()
-        new_reqs: list[NewRequestData] = []
-        preempted: set[str] = set()
-        # Hashes of full blocks whose KV this step computes: a waiting request whose next
-        # uncached block is among them waits one step and then reads it from the cache,
-        # instead of computing the same prefix alongside.
-        inflight: set[bytes] = set()
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:  # a step that had to preempt admits no one
+            self._schedule_waiting(plan)
+        for rid, n in plan.num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        out = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
+            scheduled_spec_decode_tokens=plan.spec_tokens,
+            finished_req_ids=self._finished_since_last_step,
+            preempted_req_ids=plan.preempted,
+        )
+        self._finished_since_last_step = set()
+        return out
 
-        # Running requests first; preempt from the back when blocks run out.
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests first, in order; preempt from the back when blocks run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, plan.budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -101,89 +125,83 @@ class Scheduler:
                 # Draft tokens beyond the budget are dropped, not postponed.
                 num_spec = max(0, request.num_computed_tokens + num_new - request.num_tokens)
                 del request.spec_token_ids[num_spec:]
-            while True:
-                new_blocks = self.kv.allocate_slots(
-                    request, num_new, self._lookahead(request, num_new)
-                )
-                if new_blocks is not None:
-                    break
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
-                    break
+            new_blocks = self._allocate_or_preempt(request, num_new, plan.preempted)
             if new_blocks is None:
                 break
-            cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append(new_blocks)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            num_scheduled[request.request_id] = num_new
+            plan.cached.req_ids.append(request.request_id)
+            plan.cached.new_block_ids.append(new_blocks)
+            plan.cached.num_computed_tokens.append(request.num_computed_tokens)
             if request.spec_token_ids:
-                spec_tokens[request.request_id] = list(request.spec_token_ids)
-            self._note_inflight_blocks(request, num_new, inflight)
-            budget -= num_new
+                plan.spec_tokens[request.request_id] = list(request.spec_token_ids)
+            self._take(plan, request, num_new)
             i += 1
 
-        # Then waiting requests, in order, unless this step had to preempt.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            hits: list[int] = []
-            if request.num_computed_tokens == 0:
-                hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
-                request.num_cached_tokens = request.num_computed_tokens
-                if inflight and self.kv.next_uncached_hash(request, len(hits)) in inflight:
-                    request.num_computed_tokens = 0
-                    break
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    request.num_computed_tokens = 0
-                    break
-                num_new = budget
-            new_blocks = self.kv.allocate_slots(
-                request, num_new, self._lookahead(request, num_new), computed_blocks=hits
-            )
-            if new_blocks is None:
-                # Look the cache up again next time: its content may have changed by then.
-                request.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
-            self.kv.record_lookup(request, request.num_cached_tokens)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    block_ids=list(self.kv.get_block_ids(request.request_id)),
-                    num_computed_tokens=request.num_computed_tokens,
-                    eos_token_id=request.eos_token_id,
-                )
-            )
-            num_scheduled[request.request_id] = num_new
-            self._note_inflight_blocks(request, num_new, inflight)
-            budget -= num_new
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: set[str]
+    ) -> list[int] | None:
+        """Blocks for `num_new` more tokens of a running request, preempting the most recently
+        admitted requests until they fit; None once `request` itself had to go."""
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new, self._lookahead(request, num_new))
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
 
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=spec_tokens,
-            finished_req_ids=self._finished_since_last_step,
-            preempted_req_ids=preempted,
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Then waiting requests, first come first served, while budget and seats last."""
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not self._admit(self.waiting[0], plan):
+                break
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        """Schedule the head of the waiting queue (a chunk of it with chunked prefill); False,
+        leaving it waiting, when its prefix is being computed this step or it does not fit."""
+        hits: list[int] = []
+        if request.num_computed_tokens == 0:
+            hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
+            request.num_cached_tokens = request.num_computed_tokens
+            if plan.inflight and self.kv.next_uncached_hash(request, len(hits)) in plan.inflight:
+                request.num_computed_tokens = 0
+                return False
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new > plan.budget:
+            if not self.config.enable_chunked_prefill:
+                request.num_computed_tokens = 0
+                return False
+            num_new = plan.budget
+        new_blocks = self.kv.allocate_slots(
+            request, num_new, self._lookahead(request, num_new), computed_blocks=hits
         )
-        self._finished_since_last_step = set()
-        return out
+        if new_blocks is None:
+            # Look the cache up again next time: its content may have changed by then.
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        self.kv.record_lookup(request, request.num_cached_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=list(self.kv.get_block_ids(request.request_id)),
+                num_computed_tokens=request.num_computed_tokens,
+                eos_token_id=request.eos_token_id,
+            )
+        )
+        self._take(plan, request, num_new)
+        return True
+
+    def _take(self, plan: _StepPlan, request: Request, num_new: int) -> None:
+        plan.num_scheduled[request.request_id] = num_new
+        self._note_inflight_blocks(request, num_new, plan.inflight)
+        plan.budget -= num_new
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
