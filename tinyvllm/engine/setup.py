@@ -39,45 +39,11 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
     )
 
-    derived = getattr(hf_config, "max_position_embeddings", None) or 2048
     # Tables sized by the context (rope, request rows) are built before the KV cache is
     # sized, so a context that cannot fit must shrink (or fail) here, not after.
     kv_tokens, table_tokens = _context_bounds(hf_config, dtype, device, cache, args)
-    if args.max_model_len is None:
-        max_model_len = min(derived, max(min(kv_tokens, table_tokens), cache.block_size))
-        if max_model_len < derived:
-            logger.warning(
-                "the model's context of %d tokens cannot fit in memory here; serving with "
-                "max_model_len=%d (pass max_model_len or more KV memory to change it)",
-                derived,
-                max_model_len,
-            )
-    elif args.max_model_len > derived:
-        raise ValueError(
-            f"max_model_len={args.max_model_len} is larger than the model's "
-            f"max_position_embeddings={derived}; use at most {derived}"
-        )
-    elif args.max_model_len > kv_tokens:
-        raise ValueError(
-            f"max_model_len={args.max_model_len} cannot fit: the KV cache can hold at most "
-            f"{kv_tokens} tokens of {args.model!r} here; lower max_model_len or give the KV "
-            "cache more memory"
-        )
-    else:
-        max_model_len = args.max_model_len
-
-    if args.max_num_batched_tokens is not None:
-        max_batched = args.max_num_batched_tokens
-    else:
-        max_batched = 8192 if args.enable_chunked_prefill else max(8192, max_model_len)
-    if max_batched < 1:
-        raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched}")
-    if not args.enable_chunked_prefill and max_batched < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
-            f"{max_model_len}: without chunked prefill a full prompt must fit in one step; "
-            "raise max_num_batched_tokens or enable_chunked_prefill"
-        )
+    max_model_len = _max_model_len(args, hf_config, kv_tokens, table_tokens, cache.block_size)
+    max_batched = _max_num_batched_tokens(args, max_model_len)
     return EngineConfig(
         model=ModelConfig(
             model=args.model,
@@ -106,6 +72,52 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         ),
         speculative=_speculative_config(args.speculative_config),
     )
+
+
+def _max_model_len(
+    args: EngineArgs, hf_config: Any, kv_tokens: int, table_tokens: int, block_size: int
+) -> int:
+    """The user's max_model_len checked against the model and the memory, or the largest
+    context (up to the model's) that fits."""
+    derived = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is None:
+        max_model_len = min(derived, max(min(kv_tokens, table_tokens), block_size))
+        if max_model_len < derived:
+            logger.warning(
+                "the model's context of %d tokens cannot fit in memory here; serving with "
+                "max_model_len=%d (pass max_model_len or more KV memory to change it)",
+                derived,
+                max_model_len,
+            )
+        return max_model_len
+    if args.max_model_len > derived:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} is larger than the model's "
+            f"max_position_embeddings={derived}; use at most {derived}"
+        )
+    if args.max_model_len > kv_tokens:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} cannot fit: the KV cache can hold at most "
+            f"{kv_tokens} tokens of {args.model!r} here; lower max_model_len or give the KV "
+            "cache more memory"
+        )
+    return args.max_model_len
+
+
+def _max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
+    if args.max_num_batched_tokens is not None:
+        max_batched = args.max_num_batched_tokens
+    else:
+        max_batched = 8192 if args.enable_chunked_prefill else max(8192, max_model_len)
+    if max_batched < 1:
+        raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched}")
+    if not args.enable_chunked_prefill and max_batched < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={max_batched} is smaller than max_model_len="
+            f"{max_model_len}: without chunked prefill a full prompt must fit in one step; "
+            "raise max_num_batched_tokens or enable_chunked_prefill"
+        )
+    return max_batched
 
 
 # Share of the CPU KV budget the per-position tables may take (rope cos/sin, and the
