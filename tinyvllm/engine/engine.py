@@ -30,13 +30,14 @@ class Engine:
         from tinyvllm.runner.model_runner import ModelRunner
         from tinyvllm.utils.device import resolve_device, resolve_dtype
 
-        self.config = config
         self.tokenizer = tokenizer
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype)
         self.runner = ModelRunner(config, dtype, device)
+        kv_size = self.runner.initialize_kv_cache()
+        self.config = config = _fit_to_kv_cache(config, kv_size.max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            kv_size.num_blocks, kv_size.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(tokenizer)
@@ -354,6 +355,18 @@ def check_text(text: str, what: str = "the prompt") -> str:
             "remove it or decode the input with errors='replace'"
         ) from None
     return text
+
+
+def _fit_to_kv_cache(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """The config the engine serves with: `config` with the context the KV cache allows (the
+    caller's config is left as it was)."""
+    if max_model_len == config.model.max_model_len == config.scheduler.max_model_len:
+        return config
+    return replace(
+        config,
+        model=replace(config.model, max_model_len=max_model_len),
+        scheduler=replace(config.scheduler, max_model_len=max_model_len),
+    )
 
 
 def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:

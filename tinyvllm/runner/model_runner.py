@@ -25,7 +25,7 @@ from tinyvllm.runner.cuda_graphs import (
 )
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
-from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.kv_cache import KVCacheSize, allocate_kv_caches, determine_num_blocks
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
@@ -74,42 +74,52 @@ class ModelRunner:
             # The draft's KV shares the target's blocks, so each block costs both.
             kv_layers += self.draft.attention_layers()
 
-        self.num_blocks, max_model_len = determine_num_blocks(
+        self.kv_layers = kv_layers
+        # Set by initialize_kv_cache, which must run before the first step.
+        self.max_model_len = mc.max_model_len
+        self.kv_caches: list[torch.Tensor] = []
+        self.decode_program = None
+        self.cuda_graphs: CudaGraphRunner | None = None
+        self.speculator: Speculator | None = None
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(mc.seed)
+
+    def initialize_kv_cache(self) -> KVCacheSize:
+        """Size and allocate the paged KV cache, then build what depends on it (request rows,
+        CUDA graphs, the native decode program). Returns the size chosen: the engine sizes its
+        block pool and max_model_len from it."""
+        config, mc = self.config, self.config.model
+        size = determine_num_blocks(
             config.cache,
-            kv_layers,
-            dtype,
-            device,
+            self.kv_layers,
+            self.dtype,
+            self.device,
             mc.max_model_len,
             config.scheduler.max_num_seqs,
-            profile_peak_bytes=self._profile_peak_bytes if device.type == "cuda" else None,
+            profile_peak_bytes=self._profile_peak_bytes if self.device.type == "cuda" else None,
             may_shrink_max_model_len=not mc.max_model_len_explicit,
         )
-        mc.max_model_len = config.scheduler.max_model_len = max_model_len
-        config.cache.num_blocks = self.num_blocks
+        self.max_model_len = max_model_len = size.max_model_len
         self.kv_caches = allocate_kv_caches(
-            kv_layers, self.backend, self.num_blocks, self.block_size, dtype, device
+            self.kv_layers, self.backend, size.num_blocks, self.block_size, self.dtype, self.device
         )
         # Built after the KV caches exist: the program points into them.
-        self.decode_program = None
         build_program = getattr(self.model, "native_decode_program", None)
         if self.native is not None and build_program is not None:
             self.decode_program = build_program(self.native)
-        max_blocks_per_req = -(-mc.max_model_len // self.block_size)
-        self.cuda_graphs: CudaGraphRunner | None = None
-        if device.type == "cuda" and not config.device.enforce_eager:
+        max_blocks_per_req = -(-max_model_len // self.block_size)
+        if self.device.type == "cuda" and not config.device.enforce_eager:
             self.cuda_graphs = self._capture_cuda_graphs(max_blocks_per_req)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
-            config.scheduler.max_num_seqs, mc.max_model_len + 1, max_blocks_per_req, mc.vocab_size
+            config.scheduler.max_num_seqs, max_model_len + 1, max_blocks_per_req, mc.vocab_size
         )
-        self.sampler = Sampler()
-        self.speculator: Speculator | None = None
         if config.speculative is not None:
             self.speculator = Speculator(
-                config.speculative, mc.max_model_len, self.draft, self.backend, device
+                config.speculative, max_model_len, self.draft, self.backend, self.device
             )
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(mc.seed)
+        return size
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -281,7 +291,7 @@ class ModelRunner:
             sizes[-1] * max(dispatcher.query_lens),
             max_blocks_per_req,
             self.block_size,
-            self.config.model.max_model_len,
+            self.max_model_len,
             self.device,
         )
         graphs = CudaGraphRunner(self.model, self.backend, dispatcher, buffers)
