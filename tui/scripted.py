@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tinyvllm.core.kv_cache_manager import BlockInfo
-from tinyvllm.engine.stats import EngineStats, LatencySummary
+from tinyvllm.stats import BlockInfo, EngineStats, LatencySummary
 from tinyvllm_tui.backend import (
     CatalogRow,
     EngineLike,

@@ -14,9 +14,10 @@ from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.request import Request, RequestStatus
 from tinyvllm.engine.setup import build_engine_config, load_tokenizer
-from tinyvllm.engine.stats import EngineStats, StatsCollector
+from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -157,18 +158,8 @@ class Engine:
 
     def get_stats(self, include_blocks: bool = False) -> EngineStats:
         """A consistent-enough snapshot for monitoring; safe to call from any thread."""
-        sched = self.scheduler
-        speculator = self.runner.speculator
-        waiting = list(sched.waiting)
-        return self.stats.snapshot(
-            self.kv_cache_manager,
-            num_running=len(sched.running),
-            num_waiting=len(waiting),
-            num_preempted_waiting=sum(r.status == RequestStatus.PREEMPTED for r in waiting),
-            total_preemptions=sched.num_preemptions,
-            include_blocks=include_blocks,
-            spec_current_k=0 if speculator is None else speculator.current_k,
-        )
+        kv = self.kv_cache_manager.stats(include_blocks)
+        return self.stats.snapshot(kv, self.scheduler.stats())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
@@ -187,8 +178,8 @@ class Engine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = new.num_computed_tokens
-        counters = self.kv_cache_manager.counters
-        self.stats.record_prefix_counters(counters.queries, counters.hits)
+        kv = self.kv_cache_manager.stats()
+        self.stats.record_prefix_counters(kv.prefix_queries, kv.prefix_hits)
         prompt_tokens = self._prompt_tokens_scheduled(sched.num_scheduled_tokens)
         touched: dict[str, ParentState] = {}
         try:
@@ -199,6 +190,8 @@ class Engine:
             self._fail(failed, f"model step failed: {type(exc).__name__}: {exc}", touched)
             return self._collect(touched)
 
+        if runner_out.num_speculative_tokens is not None:
+            self.stats.record_spec_k(runner_out.num_speculative_tokens)
         for rid, message in runner_out.failed.items():
             # Before the scheduler takes the step's output, which then skips these requests.
             self._fail([rid], message, touched)

@@ -163,11 +163,13 @@ class ModelRunner:
                 failed[rid] = NON_FINITE_LOGITS
                 sampled[i] = []
         proposals: dict[str, list[int]] = {}
+        spec_k: int | None = None
         if self.speculator is not None and batch.sample_idx.numel():
             sample_idx = [i for i in batch.sample_idx.tolist() if req_ids[i] not in failed]
             proposals = self.speculator.propose(
                 states, [req_ids[i] for i in sample_idx], batch.rows[sample_idx]
             )
+            spec_k = self.speculator.current_k
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled,
@@ -175,6 +177,7 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=proposals,
             spec_counts=spec_counts,
+            num_speculative_tokens=spec_k,
             failed=failed,
         )
 
