@@ -1,7 +1,10 @@
 """ModelRunner: executes one SchedulerOutput and returns the sampled tokens.
 
 The runner never decides policy: it applies the scheduler's decisions to its persistent
-request rows, builds the flattened batch, runs the model once and samples.
+request rows, builds the flattened batch, runs the model once and samples. This module holds
+only what every model kind shares; what differs per kind (rotary positions, per-request state
+beside the paged KV, extra attention metadata, work around the forward) lives in the model
+state that the registry's `state_kind` selects (`runner/model_states/`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.loader import load_model, module_bytes
+from tinyvllm.models.registry import resolve_architecture
 from tinyvllm.native import NativeCpuOps, attach_native_ops
 from tinyvllm.runner.cuda_graphs import (
     CudaGraphDispatcher,
@@ -26,6 +30,7 @@ from tinyvllm.runner.cuda_graphs import (
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import KVCacheSize, allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.model_states import ModelInputs, ModelState, model_state_class
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
@@ -56,6 +61,10 @@ class ModelRunner:
             "model weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20, mc.quantization
         )
         self._add_cpu_gemm_weights(self.model)
+        state_kind = resolve_architecture(mc.hf_config)[1].state_kind
+        self.model_state: ModelState = model_state_class(state_kind)(
+            self.model, config.scheduler.max_num_seqs, device
+        )
         self.layers = self.model.attention_layers()
         self.native = self._load_native_ops()
         self.backend = get_attention_backend(device, config.device.attention_backend)
@@ -125,7 +134,10 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            states.remove(req_id)
+            row = states.req_id_to_row.get(req_id)
+            if row is not None:
+                states.remove(req_id)
+                self.model_state.remove_request(row)
         failed = self._add_requests(sched)
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
@@ -187,8 +199,10 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for new in sched.scheduled_new_reqs:
             try:
-                self.states.add(new)
+                row = self.states.add(new)
+                self.model_state.add_request(row, new)
             except Exception as exc:
+                self.states.remove(new.req_id)  # when add itself failed it took no row
                 logger.warning("request %s cannot join the batch: %s", new.req_id, exc)
                 failed[new.req_id] = (
                     f"the request's values cannot be stored by the model runner: "
@@ -225,12 +239,19 @@ class ModelRunner:
         return sampled, logprobs
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
-        md = batch.attn_metadata
+        inputs = self.model_state.model_inputs(batch)
+        self.model_state.pre_forward(batch, inputs)
+        hidden = self._run_model(inputs)
+        self.model_state.post_forward(batch, hidden)
+        return hidden
+
+    def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
+        md = inputs.attn_metadata
         graphs = self.cuda_graphs
         if graphs is not None:
             desc = graphs.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.max_query_len)
             if desc is not None:
-                return graphs.run(desc, batch.input_ids, batch.positions, md)
+                return graphs.run(desc, inputs.input_ids, inputs.positions, md)
         program = self.decode_program
         if (
             program is not None
@@ -240,11 +261,11 @@ class ModelRunner:
             if self.draft is not None:  # the draft model runs its layers on this plan
                 self.backend.plan(md)
             return program.run(
-                batch.input_ids, batch.positions, md.slot_mapping, md.query_start_loc,
+                inputs.input_ids, inputs.positions, md.slot_mapping, md.query_start_loc,
                 md.block_table,
             )  # fmt: skip
         self.backend.plan(md)
-        return self.model(batch.input_ids, batch.positions, md)
+        return self.model(inputs.input_ids, inputs.positions, md)
 
     def _verify(
         self, batch: InputBatch, hidden: torch.Tensor, drafts: dict[str, list[int]]
@@ -360,7 +381,6 @@ class ModelRunner:
         )
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        positions = torch.arange(num_tokens, device=self.device)
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
         metadata = AttentionMetadata(
             num_reqs=1,
@@ -368,16 +388,17 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             block_table=block_table,
-            slot_mapping=positions.clone(),
+            slot_mapping=torch.arange(num_tokens, device=self.device),
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
             query_start_loc_cpu=[0, num_tokens],
             seq_lens_cpu=[num_tokens],
             block_size=self.block_size,
         )
+        inputs = self.model_state.dummy_inputs(metadata)
         self.backend.plan(metadata)
         with torch.inference_mode():
-            hidden = self.model(torch.zeros_like(positions), positions, metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, metadata)
             self.model.compute_logits(hidden[-sched.max_num_seqs :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
