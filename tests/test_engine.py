@@ -285,6 +285,31 @@ def test_default_context_shrinks_to_fit_kv(tiny_models, caplog) -> None:
         LLM(path, dtype="float32", kv_cache_memory_bytes=budget, max_model_len=512)
 
 
+def test_runner_hands_back_the_kv_size_instead_of_writing_config(tiny_models) -> None:
+    from dataclasses import asdict, replace
+
+    from tinyvllm.config import EngineArgs
+    from tinyvllm.engine.setup import build_engine_config
+
+    per_token = 2 * 3 * 2 * 16 * 4  # K+V, 3 layers, 2 kv heads, head_dim 16, fp32
+    args = EngineArgs(
+        str(tiny_models["llama"]), dtype="float32", kv_cache_memory_bytes=10 * 16 * per_token
+    )
+    config = build_engine_config(args)
+    # A context the ten blocks cannot hold, left to the model: the runner shrinks it.
+    config = replace(
+        config,
+        model=replace(config.model, max_model_len=256, max_model_len_explicit=False),
+        scheduler=replace(config.scheduler, max_model_len=256),
+    )
+    before = (asdict(config.cache), asdict(config.scheduler), config.model.max_model_len)
+    engine = Engine(config, tokenizer=None)
+    assert (asdict(config.cache), asdict(config.scheduler), config.model.max_model_len) == before
+    assert engine.config.model.max_model_len == engine.config.scheduler.max_model_len == 160
+    assert engine.scheduler.config.max_model_len == 160
+    assert engine.get_stats().num_blocks == 10
+
+
 def test_fp32_gemm_copies_serve_batched_rows() -> None:
     import torch
 

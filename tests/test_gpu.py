@@ -18,7 +18,7 @@ def test_cuda_greedy_matches_hf(tiny_models) -> None:
 
     path = str(tiny_models["llama"])
     llm = LLM(path, dtype="float32", device="cuda", max_model_len=256)
-    assert llm.engine.config.cache.num_blocks > 0
+    assert llm.get_stats().num_blocks > 0
     report = run_parity(llm, load_hf_reference(path), [[11, 12, 13] * 7, [40] * 33], 16)
     assert report.identical, report.summary()
     assert report.max_logprob_diff < 1e-3
@@ -29,5 +29,5 @@ def test_cuda_memory_utilization_sizes_kv(tiny_models) -> None:
 
     llm = LLM(str(tiny_models["qwen2"]), device="cuda", gpu_memory_utilization=0.3)
     _free, total = torch.cuda.mem_get_info()
-    assert llm.engine.config.cache.num_blocks > 1000
+    assert llm.get_stats().num_blocks > 1000
     assert torch.cuda.memory_allocated() <= 0.3 * total + (1 << 28)

@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from tinyvllm.config import SchedulerConfig
-from tinyvllm.core.block_pool import BlockPool
+from tinyvllm.core.block_pool import BlockPool, BlockPoolStats
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.core.scheduler import Scheduler, SchedulerStats
 from tinyvllm.request import Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 
@@ -207,3 +207,31 @@ def test_core_does_not_import_torch() -> None:
         "assert 'textual' not in sys.modules, 'tinyvllm imported textual'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_owners_report_their_own_stats() -> None:
+    s = make_scheduler(6, enable_caching=True, max_model_len=24)
+    for rid in "ab":
+        s.add_request(make_request(rid, 8, max_tokens=20))
+    out = s.schedule()  # b waits for a's in-flight prefix
+    s.update_from_output(out, fake_run(out, s))
+    assert s.stats() == SchedulerStats(1, 1, 0, 0)
+    out = s.schedule()  # b takes a's first block from the cache
+    s.update_from_output(out, fake_run(out, s))
+    kv = s.kv.stats(include_blocks=True)
+    assert kv.pool == BlockPoolStats(
+        num_blocks=6, num_used_blocks=4, num_cached_free_blocks=0, num_evictions=0
+    )
+    assert (kv.block_size, kv.prefix_queries, kv.prefix_hits) == (4, 16, 4)
+    assert [b.ref_count for b in kv.blocks if b.state == "used"] == [2, 1, 1, 1]
+    assert s.kv.stats().blocks == () and s.stats() == SchedulerStats(2, 0, 0, 0)
+    while not s.num_preemptions:
+        out = s.schedule()
+        s.update_from_output(out, fake_run(out, s))
+    assert s.stats() == SchedulerStats(
+        num_running=1, num_waiting=1, num_preempted_waiting=1, total_preemptions=1
+    )
+    s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    pool = s.kv.stats().pool
+    assert pool.num_used_blocks == 0
+    assert pool.num_free_blocks + pool.num_cached_free_blocks == 6

@@ -84,6 +84,9 @@ def test_accepted_drafts_give_the_same_greedy_tokens(tiny_models: Any, family: s
     assert stats.num_steps < 40 / 2
     assert stats.spec_acceptance_rate == stats.spec_accepted_tokens / stats.spec_drafted_tokens
     assert stats.spec_current_k == 4
+    # The K travels in ModelRunnerOutput: the engine does not read the runner's speculator.
+    speculator.current_k = 0
+    assert spec.get_stats().spec_current_k == 4
     outs = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
     assert all(o.metrics.num_accepted_tokens <= o.metrics.num_draft_tokens for o in outs)

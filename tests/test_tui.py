@@ -23,7 +23,7 @@ from tui_helpers import (
     wait_until,
 )
 
-from tinyvllm.core.kv_cache_manager import BlockInfo
+from tinyvllm.stats import BlockInfo
 from tinyvllm_tui.app import TinyVLLMApp
 from tinyvllm_tui.screens.log import LogScreen
 from tinyvllm_tui.scripted import DEFAULT_ANSWER, ScriptedBackend, ScriptedLLM, frozen_stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from tinyvllm.config import EngineArgs
@@ -12,9 +13,12 @@ from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "BlockInfo",
     "CompletionOutput",
     "EngineArgs",
     "EngineDeadError",
+    "EngineStats",
+    "LatencySummary",
     "Logprob",
     "RequestError",
     "RequestOutput",
@@ -24,13 +28,19 @@ __all__ = [
 __version__ = "0.1.0"
 
 # Loaded on first use: the streaming engine pulls in asyncio and threading, which plain
-# `import tinyvllm` (and LLM users) need not pay for.
-_LAZY = frozenset({"AsyncLLM", "EngineDeadError", "RequestError"})
+# `import tinyvllm` (and LLM users) need not pay for; the statistics types are for front ends.
+_LAZY = {
+    "AsyncLLM": "tinyvllm.engine.async_llm",
+    "EngineDeadError": "tinyvllm.engine.async_llm",
+    "RequestError": "tinyvllm.engine.async_llm",
+    "BlockInfo": "tinyvllm.stats",
+    "EngineStats": "tinyvllm.stats",
+    "LatencySummary": "tinyvllm.stats",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from tinyvllm.engine import async_llm
-
-        return getattr(async_llm, name)
+    module = _LAZY.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'tinyvllm' has no attribute {name!r}")

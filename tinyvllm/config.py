@@ -29,7 +29,6 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    num_blocks: int = 0  # decided by the runner after sizing
 
 
 @dataclass

@@ -9,9 +9,9 @@ from typing import Any
 
 from tinyvllm.config import EngineArgs
 from tinyvllm.engine.engine import Engine, PromptType, check_text
-from tinyvllm.engine.stats import EngineStats
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+from tinyvllm.stats import EngineStats
 from tinyvllm.utils.chat_template import render_chat_template
 
 logger = logging.getLogger(__name__)

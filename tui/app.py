@@ -27,7 +27,7 @@ from tinyvllm_tui.widgets.event_log import LogEvent
 from tinyvllm_tui.widgets.stats_panel import StatsPanel
 
 if TYPE_CHECKING:
-    from tinyvllm.engine.stats import EngineStats
+    from tinyvllm.stats import EngineStats
 
 MAX_EVENTS = 1000
 

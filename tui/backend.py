@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from tinyvllm.engine.stats import EngineStats
+    from tinyvllm.stats import EngineStats
 
 
 class LoadError(Exception):
@@ -22,7 +22,7 @@ class LoadError(Exception):
 
 
 class EngineLike(Protocol):
-    def get_stats(self, **kwargs: Any) -> EngineStats: ...
+    def get_stats(self, include_blocks: bool = False) -> EngineStats: ...
 
     def shutdown(self) -> None: ...
 
@@ -136,8 +136,8 @@ class EngineBackend:
         return rows
 
     def load(self, spec: str, progress: ProgressCallback) -> LoadedModel:
+        from tinyvllm import AsyncLLM
         from tinyvllm.catalog import CatalogError, ModelNotAvailable, resolve_model
-        from tinyvllm.engine.async_llm import AsyncLLM
 
         def on_download(p: Any) -> None:
             progress(LoadProgress("download", p.description, p.downloaded, p.total, p.bytes_per_s))
@@ -158,7 +158,7 @@ class EngineBackend:
         return LoadedModel(name, llm, time.perf_counter() - start, resolved.source)
 
     def session(self, llm: EngineLike, notice: NoticeCallback) -> ChatLike:
-        from tinyvllm.chat.session import ChatSession
+        from tinyvllm.chat import ChatSession
 
         return ChatSession(llm, notice=notice)
 

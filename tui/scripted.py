@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tinyvllm.core.kv_cache_manager import BlockInfo
-from tinyvllm.engine.stats import EngineStats, LatencySummary
+from tinyvllm.stats import BlockInfo, EngineStats, LatencySummary
 from tinyvllm_tui.backend import (
     CatalogRow,
     EngineLike,
@@ -118,10 +117,10 @@ class ScriptedLLM:
         self.calls = 0
         self.is_shut_down = False
 
-    def get_stats(self, **kwargs: Any) -> EngineStats:
+    def get_stats(self, include_blocks: bool = False) -> EngineStats:
         stats = self._stats[min(self.calls, len(self._stats) - 1)]
         self.calls += 1
-        return stats if kwargs.get("include_blocks") else replace(stats, blocks=())
+        return stats if include_blocks else replace(stats, blocks=())
 
     def shutdown(self) -> None:
         self.is_shut_down = True

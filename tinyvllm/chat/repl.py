@@ -25,7 +25,7 @@ from tinyvllm.engine.streams import EngineDeadError, RequestError
 
 if TYPE_CHECKING:
     from tinyvllm.engine.async_llm import AsyncLLM
-    from tinyvllm.engine.stats import EngineStats
+    from tinyvllm.stats import EngineStats
 
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"

@@ -14,6 +14,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 BlockHash = bytes
 
@@ -36,6 +37,21 @@ def hash_block(
     if extra_keys:
         h.update(repr(extra_keys).encode())
     return h.digest()
+
+
+@dataclass(frozen=True)
+class BlockPoolStats:
+    """The pool's own counts at one moment (`BlockPool.stats()`)."""
+
+    num_blocks: int
+    num_used_blocks: int  # ref count > 0
+    num_cached_free_blocks: int  # free, but holding reusable cached KV
+    num_evictions: int  # cached blocks reused for other content, lifetime
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Neither used nor holding cached content."""
+        return self.num_blocks - self.num_used_blocks - self.num_cached_free_blocks
 
 
 class BlockPool:
@@ -65,6 +81,11 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def stats(self) -> BlockPoolStats:
+        return BlockPoolStats(
+            self.num_blocks, self.num_used_blocks, self.num_cached_free, self.num_evictions
+        )
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` free blocks (ref count 1 each), evicting cached ones in LRU order.

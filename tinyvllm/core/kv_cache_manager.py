@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinyvllm.core.block_pool import ROOT_HASH, BlockHash, BlockPool, hash_block
+from tinyvllm.core.block_pool import ROOT_HASH, BlockHash, BlockPool, BlockPoolStats, hash_block
 from tinyvllm.request import Request
 
 
@@ -26,6 +26,19 @@ class BlockInfo:
     state: str
     ref_count: int
     request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The manager's own snapshot (`KVCacheManager.stats()`): block counts and lifetime
+    prefix-cache counters, plus the per-block view when asked for."""
+
+    pool: BlockPoolStats
+    block_size: int
+    prefix_caching: bool
+    prefix_queries: int  # prompt tokens looked up
+    prefix_hits: int  # of those, tokens found cached
+    blocks: tuple[BlockInfo, ...] = ()
 
 
 class KVCacheManager:
@@ -161,6 +174,17 @@ class KVCacheManager:
             self.pool.free(blocks[::-1])
 
     # ---- views ------------------------------------------------------------------------------
+    def stats(self, include_blocks: bool = False) -> KVCacheStats:
+        counters = self.counters
+        return KVCacheStats(
+            pool=self.pool.stats(),
+            block_size=self.block_size,
+            prefix_caching=self.enable_caching,
+            prefix_queries=counters.queries,
+            prefix_hits=counters.hits,
+            blocks=tuple(self.block_view()) if include_blocks else (),
+        )
+
     def num_requests(self) -> int:
         return len(self._blocks)
 

@@ -64,6 +64,9 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request whose drafts were verified this step: (drafts, accepted drafts).
     spec_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The K the speculator chose for this step's proposals; None when nothing was proposed
+    # (no speculator, or no request sampled), so the last reported K stands.
+    num_speculative_tokens: int | None = None
     # Requests that failed on their own this step (their values could not be stored, or their
     # logits were not finite) -> why. They have no entry above; the rest of the batch ran.
     failed: dict[str, str] = field(default_factory=dict)

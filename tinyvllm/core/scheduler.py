@@ -32,6 +32,16 @@ class RequestUpdate:
     finished: bool
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's queue sizes at one moment (`Scheduler.stats()`)."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int  # of the waiting ones, preempted and queued to resume
+    total_preemptions: int
+
+
 @dataclass
 class _StepPlan:
     """What one `schedule()` call has handed out so far."""
@@ -91,6 +101,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        """Safe from another thread: it copies the queue before reading it."""
+        waiting = list(self.waiting)
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(waiting),
+            num_preempted_waiting=sum(r.status == RequestStatus.PREEMPTED for r in waiting),
+            total_preemptions=self.num_preemptions,
+        )
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

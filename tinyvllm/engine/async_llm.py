@@ -27,6 +27,7 @@ from tinyvllm.engine.streams import (
 )
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.stats import EngineStats
 
 __all__ = ["AsyncLLM", "CommandFuture", "EngineDeadError", "RequestError", "RequestStream"]
 
@@ -141,12 +142,10 @@ class AsyncLLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def get_stats(self, **kwargs: Any) -> Any:
-        """The engine's statistics snapshot (`Engine.get_stats()` is safe from any thread)."""
-        get_stats = getattr(self.engine, "get_stats", None)
-        if get_stats is None:
-            raise NotImplementedError("this Engine does not provide get_stats()")
-        return get_stats(**kwargs)
+    def get_stats(self, include_blocks: bool = False) -> EngineStats:
+        """The engine's statistics snapshot (`Engine.get_stats()` is safe from any thread);
+        `include_blocks` adds every KV block's state for a block map."""
+        return self.engine.get_stats(include_blocks=include_blocks)
 
     def reset_prefix_cache(self) -> CommandFuture:
         """Forget all cached prefixes, on the engine thread between steps; the future (also

@@ -13,10 +13,11 @@ from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.setup import build_engine_config, load_tokenizer
-from tinyvllm.engine.stats import EngineStats, StatsCollector
+from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.request import Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +31,14 @@ class Engine:
         from tinyvllm.runner.model_runner import ModelRunner
         from tinyvllm.utils.device import resolve_device, resolve_dtype
 
-        self.config = config
         self.tokenizer = tokenizer
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype)
         self.runner = ModelRunner(config, dtype, device)
+        kv_size = self.runner.initialize_kv_cache()
+        self.config = config = _fit_to_kv_cache(config, kv_size.max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            kv_size.num_blocks, kv_size.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(tokenizer)
@@ -156,18 +158,8 @@ class Engine:
 
     def get_stats(self, include_blocks: bool = False) -> EngineStats:
         """A consistent-enough snapshot for monitoring; safe to call from any thread."""
-        sched = self.scheduler
-        speculator = self.runner.speculator
-        waiting = list(sched.waiting)
-        return self.stats.snapshot(
-            self.kv_cache_manager,
-            num_running=len(sched.running),
-            num_waiting=len(waiting),
-            num_preempted_waiting=sum(r.status == RequestStatus.PREEMPTED for r in waiting),
-            total_preemptions=sched.num_preemptions,
-            include_blocks=include_blocks,
-            spec_current_k=0 if speculator is None else speculator.current_k,
-        )
+        kv = self.kv_cache_manager.stats(include_blocks)
+        return self.stats.snapshot(kv, self.scheduler.stats())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
@@ -186,8 +178,8 @@ class Engine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = new.num_computed_tokens
-        counters = self.kv_cache_manager.counters
-        self.stats.record_prefix_counters(counters.queries, counters.hits)
+        kv = self.kv_cache_manager.stats()
+        self.stats.record_prefix_counters(kv.prefix_queries, kv.prefix_hits)
         prompt_tokens = self._prompt_tokens_scheduled(sched.num_scheduled_tokens)
         touched: dict[str, ParentState] = {}
         try:
@@ -198,6 +190,8 @@ class Engine:
             self._fail(failed, f"model step failed: {type(exc).__name__}: {exc}", touched)
             return self._collect(touched)
 
+        if runner_out.num_speculative_tokens is not None:
+            self.stats.record_spec_k(runner_out.num_speculative_tokens)
         for rid, message in runner_out.failed.items():
             # Before the scheduler takes the step's output, which then skips these requests.
             self._fail([rid], message, touched)
@@ -354,6 +348,18 @@ def check_text(text: str, what: str = "the prompt") -> str:
             "remove it or decode the input with errors='replace'"
         ) from None
     return text
+
+
+def _fit_to_kv_cache(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """The config the engine serves with: `config` with the context the KV cache allows (the
+    caller's config is left as it was)."""
+    if max_model_len == config.model.max_model_len == config.scheduler.max_model_len:
+        return config
+    return replace(
+        config,
+        model=replace(config.model, max_model_len=max_model_len),
+        scheduler=replace(config.scheduler, max_model_len=max_model_len),
+    )
 
 
 def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:

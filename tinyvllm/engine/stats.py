@@ -1,8 +1,10 @@
-"""EngineStats: a snapshot of what the engine is doing, cheap to take from any thread.
+"""StatsCollector: builds `EngineStats` snapshots, cheap to take from any thread.
 
 The engine thread feeds a `StatsCollector` once per step; readers (a UI refreshing several
 times a second, a metrics endpoint) call `snapshot()`, which copies a few numbers under a lock
-and computes percentiles over bounded windows, so it never waits for a model step.
+and computes percentiles over bounded windows, so it never waits for a model step. The KV
+cache and the scheduler report their own numbers (`KVCacheStats`, `SchedulerStats`); the
+public result types live in `tinyvllm.stats`.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tinyvllm.core.kv_cache_manager import BlockInfo, KVCacheManager
+from tinyvllm.core.kv_cache_manager import KVCacheStats
+from tinyvllm.core.scheduler import SchedulerStats
+from tinyvllm.stats import EngineStats, LatencySummary
 
 # Throughput is averaged over this many seconds of recent steps.
 THROUGHPUT_WINDOW_S = 10.0
@@ -20,81 +24,6 @@ THROUGHPUT_WINDOW_S = 10.0
 LATENCY_WINDOW = 2000
 # Recent prefix-cache hit rate covers this many most recent lookups (requests).
 PREFIX_WINDOW = 256
-
-
-@dataclass(frozen=True)
-class LatencySummary:
-    """Seconds; None when there are no samples yet."""
-
-    count: int = 0
-    mean: float | None = None
-    p50: float | None = None
-    p90: float | None = None
-    p95: float | None = None
-    p99: float | None = None
-
-    @classmethod
-    def of(cls, samples: list[float]) -> LatencySummary:
-        if not samples:
-            return cls()
-        ordered = sorted(samples)
-
-        def pct(q: float) -> float:
-            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-        return cls(
-            count=len(ordered),
-            mean=sum(ordered) / len(ordered),
-            p50=pct(0.50),
-            p90=pct(0.90),
-            p95=pct(0.95),
-            p99=pct(0.99),
-        )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    timestamp: float
-    # KV cache (blocks).
-    num_blocks: int
-    num_used_blocks: int
-    num_cached_free_blocks: int
-    num_free_blocks: int  # neither used nor holding cached content
-    block_size: int
-    kv_usage: float  # used / total, in [0, 1]
-    # Prefix cache (tokens): lifetime totals and the recent window.
-    prefix_cache_enabled: bool
-    prefix_queries: int
-    prefix_hits: int
-    prefix_hit_rate: float
-    recent_prefix_hit_rate: float
-    prefix_evictions: int
-    # Scheduler.
-    num_running: int
-    num_waiting: int
-    num_preempted_waiting: int
-    total_preemptions: int
-    # Throughput over the recent window (tokens/s) and lifetime totals.
-    prompt_throughput: float
-    generation_throughput: float
-    total_prompt_tokens: int
-    total_generation_tokens: int
-    num_steps: int
-    recent_batch_tokens: float  # mean scheduled tokens per step over the window
-    # Latencies (seconds) over the most recent samples.
-    ttft: LatencySummary
-    itl: LatencySummary
-    e2e: LatencySummary
-    num_finished_requests: int
-    # Speculative decoding (zero while it is off).
-    spec_drafted_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_acceptance_rate: float = 0.0
-    # Tokens a request gains per verification: accepted drafts + the target's own token.
-    spec_mean_accepted_length: float = 0.0
-    spec_current_k: int = 0
-    # Optional per-block view (see `Engine.get_stats(include_blocks=True)`).
-    blocks: tuple[BlockInfo, ...] = field(default=(), repr=False)
 
 
 @dataclass
@@ -123,6 +52,7 @@ class StatsCollector:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_verify_steps = 0
+        self.spec_current_k = 0
 
     def record_step(
         self, now: float, prompt_tokens: int, generation_tokens: int, scheduled_tokens: int
@@ -163,16 +93,12 @@ class StatsCollector:
             self.spec_accepted += accepted
             self.spec_verify_steps += verified_requests
 
-    def snapshot(
-        self,
-        kv: KVCacheManager,
-        num_running: int,
-        num_waiting: int,
-        num_preempted_waiting: int,
-        total_preemptions: int,
-        include_blocks: bool = False,
-        spec_current_k: int = 0,
-    ) -> EngineStats:
+    def record_spec_k(self, k: int) -> None:
+        """The K the speculator chose for its latest proposals (from `ModelRunnerOutput`)."""
+        self.spec_current_k = k
+
+    def snapshot(self, kv: KVCacheStats, sched: SchedulerStats) -> EngineStats:
+        """Combine the collector's numbers with the ones the KV cache and scheduler report."""
         now = time.monotonic()
         with self._lock:
             steps = list(self._steps)
@@ -193,27 +119,24 @@ class StatsCollector:
         recent_q = sum(q for q, _ in prefix)
         recent_h = sum(h for _, h in prefix)
         pool = kv.pool
-        cached_free = pool.num_cached_free
-        used = pool.num_used_blocks
-        counters = kv.counters
         return EngineStats(
             timestamp=now,
             num_blocks=pool.num_blocks,
-            num_used_blocks=used,
-            num_cached_free_blocks=cached_free,
-            num_free_blocks=pool.num_blocks - used - cached_free,
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_free_blocks=pool.num_cached_free_blocks,
+            num_free_blocks=pool.num_free_blocks,
             block_size=kv.block_size,
-            kv_usage=used / pool.num_blocks,
-            prefix_cache_enabled=kv.enable_caching,
-            prefix_queries=counters.queries,
-            prefix_hits=counters.hits,
-            prefix_hit_rate=counters.hits / counters.queries if counters.queries else 0.0,
+            kv_usage=pool.num_used_blocks / pool.num_blocks,
+            prefix_cache_enabled=kv.prefix_caching,
+            prefix_queries=kv.prefix_queries,
+            prefix_hits=kv.prefix_hits,
+            prefix_hit_rate=kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
             recent_prefix_hit_rate=recent_h / recent_q if recent_q else 0.0,
             prefix_evictions=pool.num_evictions,
-            num_running=num_running,
-            num_waiting=num_waiting,
-            num_preempted_waiting=num_preempted_waiting,
-            total_preemptions=total_preemptions,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_preempted_waiting=sched.num_preempted_waiting,
+            total_preemptions=sched.total_preemptions,
             prompt_throughput=prompt_tps,
             generation_throughput=gen_tps,
             total_prompt_tokens=totals[0],
@@ -228,6 +151,6 @@ class StatsCollector:
             spec_accepted_tokens=accepted,
             spec_acceptance_rate=accepted / drafted if drafted else 0.0,
             spec_mean_accepted_length=1 + accepted / verify_steps if verify_steps else 0.0,
-            spec_current_k=spec_current_k,
-            blocks=tuple(kv.block_view()) if include_blocks else (),
+            spec_current_k=self.spec_current_k,
+            blocks=kv.blocks,
         )

@@ -17,8 +17,9 @@ class ModelEntry:
 
     module: str
     class_name: str
-    # Which runner model-state handles this model: "default" (plain text), later e.g.
-    # "mrope" for video VLMs or "mamba_hybrid" for models with recurrent state.
+    # Which runner model state (tinyvllm.runner.model_states) handles this model: "default"
+    # (plain text), later e.g. "mrope" for video VLMs or "mamba_hybrid" for models with
+    # recurrent state.
     state_kind: str = "default"
 
     def load_class(self) -> type[nn.Module]:

@@ -7,6 +7,7 @@ import math
 import mmap
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,18 @@ logger = logging.getLogger(__name__)
 # what is free, since the weights and activations share the same memory.
 _CPU_DEFAULT_KV_BYTES = 4 << 30
 _CPU_MAX_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    """What the runner chose for the paged KV cache, handed back to the engine (which sizes
+    its block pool and request limits from it) instead of written into shared config."""
+
+    num_blocks: int
+    block_size: int
+    # The context the engine may serve: the configured one, or less when the user left it to
+    # the model's default and the cache cannot hold one sequence that long.
+    max_model_len: int
 
 
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -62,11 +75,11 @@ def determine_num_blocks(
     max_num_seqs: int,
     profile_peak_bytes: Callable[[], int] | None = None,
     may_shrink_max_model_len: bool = False,
-) -> tuple[int, int]:
+) -> KVCacheSize:
     """Number of KV blocks, from (in priority order) an exact override, an explicit byte budget,
     a GPU profiling pass with `gpu_memory_utilization`, or a CPU default.
 
-    Returns (num_blocks, max_model_len). When the user left max_model_len to the model's
+    When the user left max_model_len to the model's
     default and the cache cannot hold one sequence that long, max_model_len shrinks to what
     fits (with a warning) instead of failing, like a long-context model on a laptop needs.
     """
@@ -114,7 +127,7 @@ def determine_num_blocks(
         num_blocks * per_block / 2**20,
         source,
     )
-    return num_blocks, max_model_len
+    return KVCacheSize(num_blocks, cache.block_size, max_model_len)
 
 
 def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """ModelRunner: executes one SchedulerOutput and returns the sampled tokens.
 
 The runner never decides policy: it applies the scheduler's decisions to its persistent
-request rows, builds the flattened batch, runs the model once and samples.
+request rows, builds the flattened batch, runs the model once and samples. This module holds
+only what every model kind shares; what differs per kind (rotary positions, per-request state
+beside the paged KV, extra attention metadata, work around the forward) lives in the model
+state that the registry's `state_kind` selects (`runner/model_states/`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.loader import load_model, module_bytes
+from tinyvllm.models.registry import resolve_architecture
 from tinyvllm.native import NativeCpuOps, attach_native_ops
 from tinyvllm.runner.cuda_graphs import (
     CudaGraphDispatcher,
@@ -25,7 +29,8 @@ from tinyvllm.runner.cuda_graphs import (
 )
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
-from tinyvllm.runner.kv_cache import allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.kv_cache import KVCacheSize, allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.model_states import ModelInputs, ModelState, model_state_class
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
@@ -56,6 +61,10 @@ class ModelRunner:
             "model weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20, mc.quantization
         )
         self._add_cpu_gemm_weights(self.model)
+        state_kind = resolve_architecture(mc.hf_config)[1].state_kind
+        self.model_state: ModelState = model_state_class(state_kind)(
+            self.model, config.scheduler.max_num_seqs, device
+        )
         self.layers = self.model.attention_layers()
         self.native = self._load_native_ops()
         self.backend = get_attention_backend(device, config.device.attention_backend)
@@ -74,48 +83,61 @@ class ModelRunner:
             # The draft's KV shares the target's blocks, so each block costs both.
             kv_layers += self.draft.attention_layers()
 
-        self.num_blocks, max_model_len = determine_num_blocks(
+        self.kv_layers = kv_layers
+        # Set by initialize_kv_cache, which must run before the first step.
+        self.max_model_len = mc.max_model_len
+        self.kv_caches: list[torch.Tensor] = []
+        self.decode_program = None
+        self.cuda_graphs: CudaGraphRunner | None = None
+        self.speculator: Speculator | None = None
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(mc.seed)
+
+    def initialize_kv_cache(self) -> KVCacheSize:
+        """Size and allocate the paged KV cache, then build what depends on it (request rows,
+        CUDA graphs, the native decode program). Returns the size chosen: the engine sizes its
+        block pool and max_model_len from it."""
+        config, mc = self.config, self.config.model
+        size = determine_num_blocks(
             config.cache,
-            kv_layers,
-            dtype,
-            device,
+            self.kv_layers,
+            self.dtype,
+            self.device,
             mc.max_model_len,
             config.scheduler.max_num_seqs,
-            profile_peak_bytes=self._profile_peak_bytes if device.type == "cuda" else None,
+            profile_peak_bytes=self._profile_peak_bytes if self.device.type == "cuda" else None,
             may_shrink_max_model_len=not mc.max_model_len_explicit,
         )
-        mc.max_model_len = config.scheduler.max_model_len = max_model_len
-        config.cache.num_blocks = self.num_blocks
+        self.max_model_len = max_model_len = size.max_model_len
         self.kv_caches = allocate_kv_caches(
-            kv_layers, self.backend, self.num_blocks, self.block_size, dtype, device
+            self.kv_layers, self.backend, size.num_blocks, self.block_size, self.dtype, self.device
         )
         # Built after the KV caches exist: the program points into them.
-        self.decode_program = None
         build_program = getattr(self.model, "native_decode_program", None)
         if self.native is not None and build_program is not None:
             self.decode_program = build_program(self.native)
-        max_blocks_per_req = -(-mc.max_model_len // self.block_size)
-        self.cuda_graphs: CudaGraphRunner | None = None
-        if device.type == "cuda" and not config.device.enforce_eager:
+        max_blocks_per_req = -(-max_model_len // self.block_size)
+        if self.device.type == "cuda" and not config.device.enforce_eager:
             self.cuda_graphs = self._capture_cuda_graphs(max_blocks_per_req)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
-            config.scheduler.max_num_seqs, mc.max_model_len + 1, max_blocks_per_req, mc.vocab_size
+            config.scheduler.max_num_seqs, max_model_len + 1, max_blocks_per_req, mc.vocab_size
         )
-        self.sampler = Sampler()
-        self.speculator: Speculator | None = None
         if config.speculative is not None:
             self.speculator = Speculator(
-                config.speculative, mc.max_model_len, self.draft, self.backend, device
+                config.speculative, max_model_len, self.draft, self.backend, self.device
             )
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(mc.seed)
+        return size
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            states.remove(req_id)
+            row = states.req_id_to_row.get(req_id)
+            if row is not None:
+                states.remove(req_id)
+                self.model_state.remove_request(row)
         failed = self._add_requests(sched)
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
@@ -153,11 +175,13 @@ class ModelRunner:
                 failed[rid] = NON_FINITE_LOGITS
                 sampled[i] = []
         proposals: dict[str, list[int]] = {}
+        spec_k: int | None = None
         if self.speculator is not None and batch.sample_idx.numel():
             sample_idx = [i for i in batch.sample_idx.tolist() if req_ids[i] not in failed]
             proposals = self.speculator.propose(
                 states, [req_ids[i] for i in sample_idx], batch.rows[sample_idx]
             )
+            spec_k = self.speculator.current_k
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled,
@@ -165,6 +189,7 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=proposals,
             spec_counts=spec_counts,
+            num_speculative_tokens=spec_k,
             failed=failed,
         )
 
@@ -174,8 +199,10 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for new in sched.scheduled_new_reqs:
             try:
-                self.states.add(new)
+                row = self.states.add(new)
+                self.model_state.add_request(row, new)
             except Exception as exc:
+                self.states.remove(new.req_id)  # when add itself failed it took no row
                 logger.warning("request %s cannot join the batch: %s", new.req_id, exc)
                 failed[new.req_id] = (
                     f"the request's values cannot be stored by the model runner: "
@@ -212,12 +239,19 @@ class ModelRunner:
         return sampled, logprobs
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
-        md = batch.attn_metadata
+        inputs = self.model_state.model_inputs(batch)
+        self.model_state.pre_forward(batch, inputs)
+        hidden = self._run_model(inputs)
+        self.model_state.post_forward(batch, hidden)
+        return hidden
+
+    def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
+        md = inputs.attn_metadata
         graphs = self.cuda_graphs
         if graphs is not None:
             desc = graphs.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.max_query_len)
             if desc is not None:
-                return graphs.run(desc, batch.input_ids, batch.positions, md)
+                return graphs.run(desc, inputs.input_ids, inputs.positions, md)
         program = self.decode_program
         if (
             program is not None
@@ -227,11 +261,11 @@ class ModelRunner:
             if self.draft is not None:  # the draft model runs its layers on this plan
                 self.backend.plan(md)
             return program.run(
-                batch.input_ids, batch.positions, md.slot_mapping, md.query_start_loc,
+                inputs.input_ids, inputs.positions, md.slot_mapping, md.query_start_loc,
                 md.block_table,
             )  # fmt: skip
         self.backend.plan(md)
-        return self.model(batch.input_ids, batch.positions, md)
+        return self.model(inputs.input_ids, inputs.positions, md)
 
     def _verify(
         self, batch: InputBatch, hidden: torch.Tensor, drafts: dict[str, list[int]]
@@ -281,7 +315,7 @@ class ModelRunner:
             sizes[-1] * max(dispatcher.query_lens),
             max_blocks_per_req,
             self.block_size,
-            self.config.model.max_model_len,
+            self.max_model_len,
             self.device,
         )
         graphs = CudaGraphRunner(self.model, self.backend, dispatcher, buffers)
@@ -347,7 +381,6 @@ class ModelRunner:
         )
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        positions = torch.arange(num_tokens, device=self.device)
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
         metadata = AttentionMetadata(
             num_reqs=1,
@@ -355,16 +388,17 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             block_table=block_table,
-            slot_mapping=positions.clone(),
+            slot_mapping=torch.arange(num_tokens, device=self.device),
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
             query_start_loc_cpu=[0, num_tokens],
             seq_lens_cpu=[num_tokens],
             block_size=self.block_size,
         )
+        inputs = self.model_state.dummy_inputs(metadata)
         self.backend.plan(metadata)
         with torch.inference_mode():
-            hidden = self.model(torch.zeros_like(positions), positions, metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, metadata)
             self.model.compute_logits(hidden[-sched.max_num_seqs :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base

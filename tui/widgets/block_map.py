@@ -12,7 +12,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 if TYPE_CHECKING:
-    from tinyvllm.core.kv_cache_manager import BlockInfo
+    from tinyvllm.stats import BlockInfo
 
 CELL = "■ "  # two columns, so a cell looks square in most terminal fonts
 FREE = "free"

@@ -24,7 +24,7 @@ from tinyvllm_tui.widgets.block_map import BlockMap
 from tinyvllm_tui.widgets.rate_bars import RateBars
 
 if TYPE_CHECKING:
-    from tinyvllm.engine.stats import EngineStats, LatencySummary
+    from tinyvllm.stats import EngineStats, LatencySummary
 
 REFRESH_S = 0.25
 HISTORY = 120  # rate chart points: 30 s at REFRESH_S
