@@ -10,9 +10,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The public modules: the package itself, the statistics types, chat sessions and the model
-# catalog. Everything else (engine/, core/, runner/, ...) may change shape between versions.
-PUBLIC_MODULES = ("tinyvllm", "tinyvllm.stats", "tinyvllm.chat", "tinyvllm.catalog")
+# The public modules: the package itself, the statistics types, chat sessions, the model
+# catalog and the command line (whose `tinyvllm tui` flags the TUI shares). Everything else
+# (engine/, core/, runner/, ...) may change shape between versions.
+PUBLIC_MODULES = (
+    "tinyvllm",
+    "tinyvllm.stats",
+    "tinyvllm.chat",
+    "tinyvllm.catalog",
+    "tinyvllm.cli",
+)
 
 
 def public_names(module: str) -> set[str]:

@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from tinyvllm.sampling_params import SamplingParams
 
 
+# What other front ends may use: the TUI declares its flags through `add_tui_arguments`, so
+# `tinyvllm tui` and `python -m tinyvllm_tui` take the same ones.
+__all__ = ["add_tui_arguments", "build_parser", "main"]
+
+
 def _add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
     p.add_argument(
         "--model",
