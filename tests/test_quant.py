@@ -206,9 +206,9 @@ def test_gguf_int4_blocks_repack_exactly(qtype: int) -> None:
     assert qw.format == "int4"
     q, scale, minimum = q4_blocks(gw.data, gw.qtype, gw.shape)
     # The 4-bit values are the file's own; only the bf16 storage of scale/zero rounds.
-    assert torch.equal(K.unpack_int4_cpu(qw.qweight, 0, 64), q)
-    assert torch.equal(qw.scales_zeros[..., 0], scale.t().bfloat16())
-    assert torch.equal(qw.scales_zeros[..., 1], (minimum + 8 * scale).t().bfloat16())
+    assert torch.equal(K.unpack_int4_cpu(qw.packed.qweight, 0, 64), q)
+    assert torch.equal(qw.packed.scales_zeros[..., 0], scale.t().bfloat16())
+    assert torch.equal(qw.packed.scales_zeros[..., 1], (minimum + 8 * scale).t().bfloat16())
     reference = gguf_reference(gw)
     assert rel_err(qw.dequantize(), reference) < 4e-3
     for rows in (1, 40):
@@ -267,7 +267,7 @@ def test_gguf_and_float_shards_share_groups_of_32() -> None:
     layer.weight.weight_loader(layer.weight, gate, 0)
     layer.weight.weight_loader(layer.weight, up, 1)
     assert layer.qweight is not None and layer.qweight.format == "int4"
-    assert layer.qweight.scales_zeros.shape[0] == 256 // 32
+    assert layer.qweight.packed.scales_zeros.shape[0] == 256 // 32
     assert rel_err(layer.qweight.dequantize()[:64], gguf_reference(gate)) < 4e-3
 
 
