@@ -283,6 +283,30 @@ def test_shape_and_shard_errors() -> None:
         QuantConfig("int3")
 
 
+def test_quantization_argument_is_parsed_in_one_place() -> None:
+    """EngineArgs, engine setup and the draft model share one parse of `quantization=`; the
+    catalog's entries accept the same words."""
+    from tinyvllm.catalog.entries import QUANTIZATIONS
+    from tinyvllm.config import EngineArgs
+    from tinyvllm.quant.config import (
+        QUANTIZATION_OPTIONS,
+        parse_quantization,
+        resolve_quantization,
+    )
+
+    assert set(QUANTIZATIONS) == set(QUANTIZATION_OPTIONS)
+    assert parse_quantization(None) is None and parse_quantization("none") is None
+    assert parse_quantization("auto") == "auto"
+    for bad in ("int3", "", "INT8"):
+        with pytest.raises(ValueError, match=f"quantization must be one of .*got {bad!r}"):
+            EngineArgs("m", quantization=bad).validate()
+    assert resolve_quantization("int4", None) == QuantConfig("int4")
+    assert resolve_quantization("auto", None) is None
+    assert resolve_quantization("none", "model.gguf") is None
+    with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF checkpoint"):
+        resolve_quantization("gguf", None)
+
+
 @pytest.mark.parametrize(("method", "ratio"), [("int8", 0.51), ("int4", 0.32)])
 def test_quantized_layer_memory(method: str, ratio: float) -> None:
     n, k = 1536, 576

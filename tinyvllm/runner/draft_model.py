@@ -20,14 +20,21 @@ from tinyvllm.runner.states import RequestStates
 
 
 def load_draft_model(
-    model: str, target_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int
+    model: str,
+    target_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
-    """The draft checkpoint (local dir, hub id or .gguf), built like the target; its
-    vocabulary must be the target's, or its token ids would mean other tokens."""
+    """The draft checkpoint (local dir, hub id or .gguf), built like the target, with the
+    engine's `quantization=` resolved against it as against the target; its vocabulary must
+    be the target's, or its token ids would mean other tokens."""
     from transformers import AutoConfig
 
     from tinyvllm.gguf.paths import resolve_gguf_path
     from tinyvllm.models.loader import load_model, resolve_model_path
+    from tinyvllm.quant.config import resolve_quantization
 
     gguf_path = resolve_gguf_path(model, None, None, None)
     if gguf_path is not None:
@@ -42,7 +49,11 @@ def load_draft_model(
             f"draft model {model!r} has vocab_size {config.vocab_size} but the target has "
             f"{target_config.vocab_size}; a draft model must share the target's tokenizer"
         )
-    return load_model(path, config, dtype, device, max_model_len)
+    try:
+        quant_config = resolve_quantization(quantization, gguf_path)
+    except ValueError as exc:
+        raise ValueError(f"draft model {model!r}: {exc}") from None
+    return load_model(path, config, dtype, device, max_model_len, quant_config)
 
 
 class DraftModelProposer:
