@@ -77,12 +77,20 @@ def columns(
     return {
         "bf16": [lambda w=w: F.linear(x16, w) for w in w16],
         "fp32": [lambda w=w: F.linear(x32, w) for w in w32],
-        "int8 pack": [lambda q=q: K.int8_linear(x16, q.qweight, q.scale, NEVER) for q in q8],
-        "int8 dense": [lambda q=q: K.int8_linear(x16, q.qweight, q.scale, 0) for q in q8],
-        "int4 pack": [
-            lambda q=q: K.int4_linear(x16, q.qweight, q.scales_zeros, n, NEVER) for q in q4
+        "int8 pack": [
+            lambda q=q: K.int8_linear(x16, q.packed.qweight, q.packed.scale, NEVER) for q in q8
         ],
-        "int4 dense": [lambda q=q: K.int4_linear(x16, q.qweight, q.scales_zeros, n, 0) for q in q4],
+        "int8 dense": [
+            lambda q=q: K.int8_linear(x16, q.packed.qweight, q.packed.scale, 0) for q in q8
+        ],
+        "int4 pack": [
+            lambda q=q: K.int4_linear(x16, q.packed.qweight, q.packed.scales_zeros, n, NEVER)
+            for q in q4
+        ],
+        "int4 dense": [
+            lambda q=q: K.int4_linear(x16, q.packed.qweight, q.packed.scales_zeros, n, 0)
+            for q in q4
+        ],
         "int8 auto": [lambda q=q: q.linear(x16) for q in q8],
         "int4 auto": [lambda q=q: q.linear(x16) for q in q4],
     }

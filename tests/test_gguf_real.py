@@ -160,7 +160,8 @@ def test_quantized_execution_stays_close_to_transformers(llm: LLM, hf: Any) -> N
     greedy continuation: how often our top-1 matches HF's, and how far logprobs move."""
     from tinyvllm.parity import hf_greedy, hf_token_logprobs
 
-    assert llm.engine.config.model.quantization == "gguf"
+    quantization = llm.engine.config.model.quantization
+    assert quantization is not None and quantization.method == "gguf"
     top1_same = total = 0
     diffs: list[float] = []
     for prompt in _chat_ids(llm.get_tokenizer(), QUESTIONS):

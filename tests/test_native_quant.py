@@ -25,6 +25,7 @@ from tinyvllm.native.quant_ops import (
     quant_kernels,
 )
 from tinyvllm.quant import QuantConfig, QuantizedWeight
+from tinyvllm.quant.formats import GGUFBlocks
 
 gguf = pytest.importorskip("gguf")
 GT = gguf.GGMLQuantizationType
@@ -140,9 +141,9 @@ def test_gguf_weights_keep_their_blocks(qtype: int) -> None:
     w = random_blocks(40, 256, qtype)
     qw = QuantizedWeight(256, 40, QuantConfig("gguf"))
     qw.load_rows(w, 0, 40)
-    assert qw.format == "gguf_blocks" and qw.gguf_qtype == qtype
-    assert torch.equal(qw.qweight, w.data)  # the file's bytes, not repacked
-    assert qw.qweight.data_ptr() != w.data.data_ptr()  # a copy: nothing points into the file
+    assert isinstance(qw.packed, GGUFBlocks) and qw.packed.qtype == qtype
+    assert torch.equal(qw.packed.qweight, w.data)  # the file's bytes, not repacked
+    assert qw.packed.qweight.data_ptr() != w.data.data_ptr()  # a copy: nothing points into the file
     native = qw.native_weight
     assert native is not None and native[0] == GGUF_FORMATS[qtype]
     assert torch.equal(qw.dequantize(), reference(w))
@@ -214,9 +215,9 @@ def test_smollm2_on_its_blocks_matches_its_dequantized_fp32_twin() -> None:
     blocks = LLM(path, dtype="float32", max_model_len=512)
     model = blocks.engine.runner.model
     head = model.lm_head.qweight
-    assert head is not None and head.format == "gguf_blocks" and head.gguf_qtype == GT.Q8_0
+    assert head is not None and isinstance(head.packed, GGUFBlocks) and head.packed.qtype == GT.Q8_0
     qkv = model.model.layers[0].self_attn.qkv_proj.qweight
-    assert qkv is not None and qkv.format == "gguf_blocks" and qkv.gguf_qtype == GT.Q4_1
+    assert qkv is not None and isinstance(qkv.packed, GGUFBlocks) and qkv.packed.qtype == GT.Q4_1
     hidden = torch.randn(3, head.in_features)
     assert_matches_fp32(head.linear(hidden), hidden, head.dequantize(), None)
 

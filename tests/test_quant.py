@@ -206,9 +206,9 @@ def test_gguf_int4_blocks_repack_exactly(qtype: int) -> None:
     assert qw.format == "int4"
     q, scale, minimum = q4_blocks(gw.data, gw.qtype, gw.shape)
     # The 4-bit values are the file's own; only the bf16 storage of scale/zero rounds.
-    assert torch.equal(K.unpack_int4_cpu(qw.qweight, 0, 64), q)
-    assert torch.equal(qw.scales_zeros[..., 0], scale.t().bfloat16())
-    assert torch.equal(qw.scales_zeros[..., 1], (minimum + 8 * scale).t().bfloat16())
+    assert torch.equal(K.unpack_int4_cpu(qw.packed.qweight, 0, 64), q)
+    assert torch.equal(qw.packed.scales_zeros[..., 0], scale.t().bfloat16())
+    assert torch.equal(qw.packed.scales_zeros[..., 1], (minimum + 8 * scale).t().bfloat16())
     reference = gguf_reference(gw)
     assert rel_err(qw.dequantize(), reference) < 4e-3
     for rows in (1, 40):
@@ -267,7 +267,7 @@ def test_gguf_and_float_shards_share_groups_of_32() -> None:
     layer.weight.weight_loader(layer.weight, gate, 0)
     layer.weight.weight_loader(layer.weight, up, 1)
     assert layer.qweight is not None and layer.qweight.format == "int4"
-    assert layer.qweight.scales_zeros.shape[0] == 256 // 32
+    assert layer.qweight.packed.scales_zeros.shape[0] == 256 // 32
     assert rel_err(layer.qweight.dequantize()[:64], gguf_reference(gate)) < 4e-3
 
 
@@ -281,6 +281,30 @@ def test_shape_and_shard_errors() -> None:
         layer(torch.randn(1, 64))
     with pytest.raises(ValueError, match="quantization method 'int3'"):
         QuantConfig("int3")
+
+
+def test_quantization_argument_is_parsed_in_one_place() -> None:
+    """EngineArgs, engine setup and the draft model share one parse of `quantization=`; the
+    catalog's entries accept the same words."""
+    from tinyvllm.catalog.entries import QUANTIZATIONS
+    from tinyvllm.config import EngineArgs
+    from tinyvllm.quant.config import (
+        QUANTIZATION_OPTIONS,
+        parse_quantization,
+        resolve_quantization,
+    )
+
+    assert set(QUANTIZATIONS) == set(QUANTIZATION_OPTIONS)
+    assert parse_quantization(None) is None and parse_quantization("none") is None
+    assert parse_quantization("auto") == "auto"
+    for bad in ("int3", "", "INT8"):
+        with pytest.raises(ValueError, match=f"quantization must be one of .*got {bad!r}"):
+            EngineArgs("m", quantization=bad).validate()
+    assert resolve_quantization("int4", None) == QuantConfig("int4")
+    assert resolve_quantization("auto", None) is None
+    assert resolve_quantization("none", "model.gguf") is None
+    with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF checkpoint"):
+        resolve_quantization("gguf", None)
 
 
 @pytest.mark.parametrize(("method", "ratio"), [("int8", 0.51), ("int4", 0.32)])

@@ -223,6 +223,26 @@ def test_target_as_its_own_draft_accepts_everything(tiny_models: Any) -> None:
     assert stats.spec_mean_accepted_length > 3.0
 
 
+def test_draft_model_is_quantized_like_the_target(tiny_models: Any) -> None:
+    """quantization="int8" covers the draft too (it loaded float weights before), and the
+    int8 target's greedy tokens stay what they are without speculation."""
+    path, draft = str(tiny_models["llama"]), str(tiny_models["qwen2"])
+    prompts = _prompts(2)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kwargs: dict[str, Any] = {"dtype": "float32", "max_model_len": 128, "quantization": "int8"}
+    expected = _run(LLM(path, **kwargs), prompts, params)
+    spec = LLM(path, speculative_config=_draft_config(draft), **kwargs)
+    proposer = spec.engine.runner.draft
+    assert proposer is not None
+    layer = proposer.model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+        assert linear.qweight is not None and linear.qweight.format == "int8"
+    assert proposer.model.lm_head.qweight is not None  # tied: the int8 table
+    _always_speculate(spec, 3)
+    assert _run(spec, prompts, params) == expected
+    assert spec.get_stats().spec_drafted_tokens > 0
+
+
 def test_other_draft_model_keeps_outputs_through_preemption(tiny_models: Any) -> None:
     """A different (random) draft sharing the tokenizer: mostly rejected drafts, same tokens,
     with a KV budget small enough to preempt and a token budget that chunks prefills."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tinyvllm.quant.config import QuantConfig, parse_quantization
+
 
 @dataclass
 class ModelConfig:
@@ -18,8 +20,12 @@ class ModelConfig:
     hf_config: Any = field(repr=False, default=None)
     # False when max_model_len came from the model config (then it may shrink to fit the KV).
     max_model_len_explicit: bool = True
-    # Resolved weight-only quantization: None, "int8", "int4" or "gguf" (raw GGUF blocks).
-    quantization: str | None = None
+    # Weight-only quantization of this checkpoint (None: as stored), resolved once from
+    # `requested_quantization` by the engine's setup.
+    quantization: QuantConfig | None = None
+    # The user's `quantization=` (validated): a draft model resolves it against its own
+    # checkpoint, as the target's was.
+    requested_quantization: str | None = None
 
 
 @dataclass
@@ -121,11 +127,7 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.quantization not in (None, "auto", "none", "int8", "int4", "gguf"):
-            raise ValueError(
-                f"quantization must be one of 'auto', None, 'int8', 'int4', 'gguf'; got "
-                f"{self.quantization!r}"
-            )
+        parse_quantization(self.quantization)
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 def build_engine_config(args: EngineArgs) -> EngineConfig:
     from tinyvllm.models.checkpoint import resolve_checkpoint
+    from tinyvllm.quant.config import resolve_quantization
     from tinyvllm.utils.device import choose_dtype, resolve_device
 
     model, gguf_file = _catalog_files(args.model, args.gguf_file)
@@ -28,7 +29,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     )
     model_path, hf_config = checkpoint.path, checkpoint.hf_config
     gguf_path = model_path if checkpoint.is_gguf else None
-    quantization = _resolve_quantization(args.quantization, gguf_path)
+    quantization = resolve_quantization(args.quantization, gguf_path)
     device = resolve_device(args.device)
     dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
     cache = CacheConfig(
@@ -56,6 +57,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             hf_config=hf_config,
             max_model_len_explicit=args.max_model_len is not None,
             quantization=quantization,
+            requested_quantization=args.quantization,
         ),
         cache=cache,
         scheduler=SchedulerConfig(
@@ -169,23 +171,6 @@ def _speculative_config(config: Any) -> Any:
     from tinyvllm.spec_decode import SpeculativeConfig
 
     return SpeculativeConfig.from_dict(config)
-
-
-def _resolve_quantization(requested: str | None, gguf_path: Any) -> str | None:
-    if requested in (None, "none"):
-        return None
-    if requested == "auto":
-        if gguf_path is None:
-            return None
-        from tinyvllm.gguf.reader import read_gguf
-
-        return "gguf" if read_gguf(gguf_path).has_quantized_tensors() else None
-    if requested == "gguf" and gguf_path is None:
-        raise ValueError(
-            "quantization='gguf' needs a GGUF checkpoint; for a safetensors model use "
-            "quantization='int8' or 'int4'"
-        )
-    return requested
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:

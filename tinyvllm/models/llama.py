@@ -21,7 +21,8 @@ from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
 from tinyvllm.models.weights import load_named_weights
 from tinyvllm.native.ops import elementwise_rows_fit
-from tinyvllm.quant import QuantConfig, finalize_quantized_weights
+from tinyvllm.quant.config import QuantConfig
+from tinyvllm.quant.weight import finalize_quantized_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -19,6 +19,7 @@ from tinyvllm.models.checkpoint_check import (
     read_tensor_directory,
 )
 from tinyvllm.models.registry import get_model_class
+from tinyvllm.quant.config import QuantConfig
 from tinyvllm.utils.hub import HUB_ALLOW_PATTERNS
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -206,19 +207,16 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     max_model_len: int,
-    quantization: str | None = None,
+    quant_config: QuantConfig | None = None,
 ) -> nn.Module:
     """Build the registered model class for `hf_config` on `device` in `dtype` and load
     its weights from `model_dir` (safetensors) or a .gguf file.
 
-    With `quantization` ("int8", "int4", "gguf") linear layers, the embedding and the
+    With a `quant_config` ("int8", "int4", "gguf") linear layers, the embedding and the
     lm_head hold weight-only quantized tensors; "gguf" streams the file's raw blocks into
     them, the others quantize float weights as they arrive.
     """
-    from tinyvllm.quant import QuantConfig
-
     model_cls = get_model_class(hf_config)
-    quant_config = QuantConfig.from_quantization(quantization)
     path = Path(model_dir)
     # Every size the model allocates must agree with a tensor really in the file.
     check_against_checkpoint(hf_config, tensor_directory(path))
@@ -226,7 +224,8 @@ def load_model(
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, max_model_len, quant_config=quant_config)  # type: ignore[call-arg]
-    weights = _iter_weights(path, hf_config, dtype, device, quantization == "gguf")
+    keep_blocks = quant_config is not None and quant_config.method == "gguf"
+    weights = _iter_weights(path, hf_config, dtype, device, keep_blocks)
     try:
         model.load_weights(weights)  # type: ignore[operator]
     except (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):

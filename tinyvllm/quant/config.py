@@ -1,10 +1,15 @@
-"""Which weight-only quantization a model is built with."""
+"""Which weight-only quantization a model is built with: vLLM's `quantization=` argument,
+parsed once here into a `QuantConfig` (torch-free: the engine's config imports it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 QUANT_METHODS = ("int8", "int4", "gguf")
+# Every `quantization=` value: "auto" resolves against the checkpoint (see
+# `resolve_quantization`), "none" (or None) loads it as stored.
+QUANTIZATION_OPTIONS = ("auto", "none", *QUANT_METHODS)
 # Group sizes torch's CPU int4 kernel accepts.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -54,9 +59,39 @@ class QuantConfig:
             return replace(self, exact=True)
         return replace(self, method="int8")
 
-    @classmethod
-    def from_quantization(cls, quantization: str | None) -> QuantConfig | None:
-        """The config for vLLM's `quantization=` engine argument (None: unquantized)."""
-        if quantization is None or quantization == "none":
+    def __str__(self) -> str:
+        return self.method
+
+
+def parse_quantization(value: str | None) -> str | None:
+    """The one check of a `quantization=` value: None (for None and "none"), "auto" or a
+    method of QUANT_METHODS; ValueError naming the value and the choices otherwise."""
+    if value is None or value == "none":
+        return None
+    if value not in QUANTIZATION_OPTIONS:
+        raise ValueError(
+            f"quantization must be one of 'auto', None, 'int8', 'int4', 'gguf'; got {value!r}"
+        )
+    return value
+
+
+def resolve_quantization(
+    quantization: str | None, gguf_path: str | Path | None
+) -> QuantConfig | None:
+    """The config one checkpoint loads with under `quantization=` (the target model's and a
+    draft model's alike; `gguf_path` None: not a GGUF checkpoint). "auto" keeps a GGUF file's
+    quantized blocks and loads anything else as stored; "gguf" needs a GGUF file."""
+    method = parse_quantization(quantization)
+    if method == "auto":
+        if gguf_path is None:
             return None
-        return cls(method=quantization)
+        # Only here is the file read; the reader (and torch) load on this first use.
+        from tinyvllm.gguf.reader import read_gguf
+
+        return QuantConfig("gguf") if read_gguf(gguf_path).has_quantized_tensors() else None
+    if method == "gguf" and gguf_path is None:
+        raise ValueError(
+            "quantization='gguf' needs a GGUF checkpoint; for a safetensors model use "
+            "quantization='int8' or 'int4'"
+        )
+    return None if method is None else QuantConfig(method)

@@ -20,12 +20,19 @@ from tinyvllm.runner.states import RequestStates
 
 
 def load_draft_model(
-    model: str, target_config: Any, dtype: torch.dtype, device: torch.device, max_model_len: int
+    model: str,
+    target_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
-    """The draft checkpoint (local dir, hub id or .gguf), resolved and built like the target;
-    its vocabulary must be the target's, or its token ids would mean other tokens."""
+    """The draft checkpoint (local dir, hub id or .gguf), resolved and built like the target,
+    with the engine's `quantization=` resolved against it as against the target; its vocabulary
+    must be the target's, or its token ids would mean other tokens."""
     from tinyvllm.models.checkpoint import resolve_checkpoint
     from tinyvllm.models.loader import load_model
+    from tinyvllm.quant.config import resolve_quantization
 
     checkpoint = resolve_checkpoint(model)
     config = checkpoint.hf_config
@@ -34,7 +41,12 @@ def load_draft_model(
             f"draft model {model!r} has vocab_size {config.vocab_size} but the target has "
             f"{target_config.vocab_size}; a draft model must share the target's tokenizer"
         )
-    return load_model(checkpoint.path, config, dtype, device, max_model_len)
+    gguf_path = checkpoint.path if checkpoint.is_gguf else None
+    try:
+        quant_config = resolve_quantization(quantization, gguf_path)
+    except ValueError as exc:
+        raise ValueError(f"draft model {model!r}: {exc}") from None
+    return load_model(checkpoint.path, config, dtype, device, max_model_len, quant_config)
 
 
 class DraftModelProposer:

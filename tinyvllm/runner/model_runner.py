@@ -75,7 +75,12 @@ class ModelRunner:
         spec = config.speculative
         if spec is not None and spec.method == "draft_model":
             draft_model = load_draft_model(
-                spec.model, mc.hf_config, dtype, device, mc.max_model_len
+                spec.model,
+                mc.hf_config,
+                dtype,
+                device,
+                mc.max_model_len,
+                mc.requested_quantization,
             )
             self._add_cpu_gemm_weights(draft_model)
             attach_native_ops(draft_model, self.native)
