@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import (  # noqa: E402
+from throughput import (
     DEFAULT_MODEL_DIR,
     MAX_MODEL_LEN,
     MODEL_CONFIG,
@@ -73,7 +73,9 @@ def tinyvllm_runners(
     from tinyvllm.engine.async_llm import AsyncLLM
 
     def params(wl: Workload) -> list[Any]:
-        return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+        return [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens
+        ]
 
     runners: dict[str, Callable[[Workload], float]] = {}
     if "generate" in modes:
