@@ -51,8 +51,15 @@ class Cell:
 
 @contextmanager
 def competitors(count: int) -> Iterator[None]:
-    """`count` busy-looping Python processes for the duration of the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    """`count` busy-looping Python processes for the duration of the block.
+
+    Each in a session of its own, like a program started elsewhere (a browser): with the
+    kernel's autogroup scheduling, processes of one session share one group's CPU time, so a
+    competitor in the benchmark's session would compete with it inside its own share."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=True)
+        for _ in range(count)
+    ]
     try:
         time.sleep(0.3 if count else 0.0)  # let them reach the loop and the scheduler see them
         yield

@@ -33,6 +33,14 @@ namespace {
 constexpr int64_t kWorkerSpinNs = 200000;
 constexpr int64_t kCallerSpinNs = 30000;
 constexpr int kMaxWorkers = 255;
+// Contention check: over each window of regions, the time the caller slept waiting for an
+// item a descheduled worker held. When other programs keep the cores busy, such stalls
+// (each a wait for the worker's next time slice, then for the caller's own) cost more than
+// the second thread brings: past kStallShare of the window's time the caller runs regions
+// alone for kSoloWindows windows, then tries the workers again.
+constexpr int kWindowRegions = 256;
+constexpr int kSoloWindows = 8;
+constexpr double kStallShare = 0.05;
 
 int64_t now_ns() {
   timespec ts;
@@ -85,6 +93,33 @@ class Pool {
     // One region at a time: callers from several threads (LLM and AsyncLLM engines in one
     // process) take turns.
     std::lock_guard<std::mutex> guard(run_lock_);
+    if (solo_regions_ > 0) {
+      --solo_regions_;
+      ++stats_[1];
+      for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+      return;
+    }
+    const int64_t start = now_ns();
+    const int64_t stalled = run_parallel(n, nthreads, fn, ctx);
+    window_ns_ += now_ns() - start;
+    window_stall_ns_ += stalled;
+    ++stats_[0];
+    stats_[3] += stalled;
+    if (++window_count_ == kWindowRegions) {
+      if (window_stall_ns_ > kStallShare * window_ns_) {
+        solo_regions_ = kSoloWindows * kWindowRegions;
+        ++stats_[2];
+      }
+      window_count_ = 0;
+      window_ns_ = window_stall_ns_ = 0;
+    }
+  }
+
+ private:
+  Pool() = default;
+
+  // Returns the nanoseconds the caller slept waiting for held items.
+  int64_t run_parallel(int64_t n, int nthreads, tv::RangeFn fn, void* ctx) {
     ensure_workers(nthreads - 1);
     fn_ = fn;
     ctx_ = ctx;
@@ -98,8 +133,10 @@ class Pool {
     if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(&epoch_, nthreads - 1);
     work();
     const uint32_t total = static_cast<uint32_t>(n);
+    int64_t stalled = 0;
     if (!spin_until([&] { return done_.load(std::memory_order_acquire) == total; },
                     kCallerSpinNs)) {
+      const int64_t sleep_start = now_ns();
       for (;;) {
         caller_sleeping_.store(1, std::memory_order_seq_cst);
         const uint32_t seen = done_.load(std::memory_order_seq_cst);
@@ -107,12 +144,11 @@ class Pool {
         futex_wait(&done_, seen);
       }
       caller_sleeping_.store(0, std::memory_order_relaxed);
+      stalled = now_ns() - sleep_start;
     }
     slots_.store(0, std::memory_order_relaxed);
+    return stalled;
   }
-
- private:
-  Pool() = default;
 
   void ensure_workers(int wanted) {
     wanted = wanted < kMaxWorkers ? wanted : kMaxWorkers;
@@ -164,6 +200,15 @@ class Pool {
   }
 
   std::mutex run_lock_;
+  // Contention window (guarded by run_lock_).
+  int window_count_ = 0;
+  int64_t window_ns_ = 0, window_stall_ns_ = 0;
+  int solo_regions_ = 0;
+
+ public:
+  // Regions run by the pool, regions run alone, switches to running alone, ns slept on
+  // stalls (tv_pool_stats).
+  int64_t stats_[4] = {0, 0, 0, 0};
   std::vector<std::thread> workers_;
   tv::RangeFn fn_ = nullptr;
   void* ctx_ = nullptr;
@@ -190,3 +235,7 @@ void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx) {
 }
 
 }  // namespace tv
+
+extern "C" void tv_pool_stats(int64_t* out) {
+  for (int i = 0; i < 4; ++i) out[i] = Pool::get().stats_[i];
+}
