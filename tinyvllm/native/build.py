@@ -28,17 +28,20 @@ from tinyvllm.utils.dirs import native_cache_dir
 
 logger = logging.getLogger(__name__)
 
-# Compiled together into one library: the decode kernels, the GGUF block GEMVs and the decode
-# program that calls both; common.h holds what they share.
+# Compiled together into one library: the decode kernels, the GGUF block GEMVs, the decode
+# program that calls both and the thread pool they run on; common.h holds what they share.
 SOURCES = (
     Path(__file__).with_name("cpu_kernels.cpp"),
     Path(__file__).with_name("quant_kernels.cpp"),
     Path(__file__).with_name("llama_decode.cpp"),
+    Path(__file__).with_name("thread_pool.cpp"),
 )
 HEADERS = (Path(__file__).with_name("common.h"),)
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
+# No OpenMP: thread_pool.cpp is the library's own runtime (a second OpenMP next to torch's
+# spins against it under load).
 FLAGS = (
-    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
     "-std=c++17",
 )  # fmt: skip
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})

@@ -1,13 +1,28 @@
 // Shared by the native CPU kernel sources: bf16 <-> fp32 conversion, dtype-coded loads and
-// stores (0 = float32, 1 = bfloat16), AVX2 helpers, and the C entry points each file offers
-// the others.
+// stores (0 = float32, 1 = bfloat16), AVX2 helpers, the thread pool (thread_pool.cpp), and the
+// C entry points each file offers the others.
 #pragma once
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 namespace tv {
+
+using RangeFn = void (*)(void* ctx, int64_t item);
+
+// Runs fn(ctx, i) for every i in [0, n) on up to nthreads threads, the caller among them, and
+// returns when all have run. Items are claimed one at a time in increasing order (whoever is
+// free takes the next), so a thread the OS has descheduled delays at most the item it holds.
+void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx);
+
+template <class F>
+void parallel_for(int64_t n, int nthreads, F&& f) {
+  using Fn = std::remove_reference_t<F>;
+  parallel_run(n, nthreads, [](void* c, int64_t i) { (*static_cast<Fn*>(c))(i); }, &f);
+}
 
 
 inline float bf16_to_f32(uint16_t h) {

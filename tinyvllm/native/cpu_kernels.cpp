@@ -11,7 +11,6 @@
 
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +30,7 @@ inline float wval(const float* w, int64_t i) { return w[i]; }
 constexpr int kPrefetchTiles = 2;
 
 // RB output rows x M input rows per inner step; RB * M accumulators stay in registers.
+// Row n's sums land in acc_out[(n - n0) * M + m].
 template <typename W, int M, int RB>
 void gemv_rows(const W* w, const float* x, int64_t K, int64_t n0, int64_t n1, int64_t N,
                float* acc_out) {
@@ -74,7 +74,7 @@ void gemv_rows(const W* w, const float* x, int64_t K, int64_t n0, int64_t n1, in
       for (int m = 0; m < M; ++m) {
         float s = hsum(acc[r][m]);
         for (int64_t kk = k; kk < K; ++kk) s += wval(w, (n + r) * K + kk) * x[m * K + kk];
-        acc_out[(n + r) * M + m] = s;
+        acc_out[(n - n0 + r) * M + m] = s;
       }
     }
   }
@@ -159,34 +159,31 @@ extern "C" {
 
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x, out contiguous. Rows go in tiles of
 // up to 8 that share each weight load (decode batches: bandwidth-bound up to ~8 rows, then
-// FMA-bound; the weight is re-read once per tile).
+// FMA-bound; the weight is re-read once per tile). One parallel region for all tiles: items
+// are (tile, 32 output rows), handed out one at a time, so on a busy machine one descheduled
+// thread does not hold half the matrix.
 void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bias, int b_dt,
                void* out, int M, int64_t N, int64_t K, int nthreads) {
+  constexpr int64_t kChunk = 32;
   float* xf = to_f32(x, static_cast<int64_t>(M) * K, x_dt);
-  // Per tile a transposed accumulator [N, tile] so each thread writes a contiguous range.
-  float* acc = static_cast<float*>(aligned_alloc(64, ((N * 8 * 4 + 63) / 64) * 64));
-  const int64_t chunk = 32;
-  const int64_t nchunks = (N + chunk - 1) / chunk;
-  for (int m0 = 0; m0 < M; m0 += 8) {
+  const int64_t nchunks = (N + kChunk - 1) / kChunk, ntiles = (M + 7) / 8;
+  parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {
+    const int m0 = static_cast<int>(item / nchunks) * 8;
     const int tile = M - m0 < 8 ? M - m0 : 8;
     const float* xt = xf + static_cast<int64_t>(m0) * K;
-    // Dynamic: on a busy machine one descheduled thread must not hold half the matrix.
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t c = 0; c < nchunks; ++c) {
-      int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-      if (w_dt)
-        gemv_dispatch(static_cast<const uint16_t*>(w), xt, tile, K, n0, n1, N, acc);
-      else
-        gemv_dispatch(static_cast<const float*>(w), xt, tile, K, n0, n1, N, acc);
-    }
+    const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
+    alignas(32) float acc[kChunk * 8];  // [row][tile]
+    if (w_dt)
+      gemv_dispatch(static_cast<const uint16_t*>(w), xt, tile, K, n0, n1, N, acc);
+    else
+      gemv_dispatch(static_cast<const float*>(w), xt, tile, K, n0, n1, N, acc);
     for (int m = 0; m < tile; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        float v = acc[n * tile + m];
+      for (int64_t n = n0; n < n1; ++n) {
+        float v = acc[(n - n0) * tile + m];
         if (bias) v += load(bias, n, b_dt);
         store(out, (m0 + m) * N + n, v, x_dt);
       }
-  }
-  free(acc);
+  });
   free(xf);
 }
 
@@ -281,75 +278,74 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
                      float softcap, int nthreads) {
   const int64_t group = hq / hkv;
   const int64_t cache_half = num_blocks * block_size * hkv * head_dim;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic) collapse(2)
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t kh = 0; kh < hkv; ++kh) {
-      const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
-      const int32_t* blocks = block_table + row[i] * bt_stride;
-      const int64_t qpos = L - 1;
-      const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
-      // Per position: the element offset of its K row; its V row is cache_half further on.
-      int64_t* off = static_cast<int64_t*>(
-          malloc(L * 8 + (L + 1) * group * 4 + head_dim * group * 8));
-      float* scores = reinterpret_cast<float*>(off + L);
-      float* qf = scores + (L + 1) * group;
-      float* acc = qf + head_dim * group;
-      for (int64_t p = first; p < L; ++p) {
-        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
-                             p % block_size;
-        off[p] = (slot * hkv + kh) * head_dim;
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] = load(q, tok[i] * q_stride + (kh * group + g) * head_dim + d, dt);
-      float mx[64];
-      for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
-      for (int64_t p = first; p < L;) {
-        const int np = L - p >= 4 ? 4 : 1;  // four keys at a time, then one by one
-        for (int64_t g = 0; g < group; ++g) {
-          float sc[4];
-          if (np == 4)
-            key_dots<4>(kv, dt, off + p, qf + g * head_dim, head_dim, sc);
-          else
-            key_dots<1>(kv, dt, off + p, qf + g * head_dim, head_dim, sc);
-          for (int j = 0; j < np; ++j) {
-            float v = sc[j] * scale;
-            if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
-            scores[g * (L + 1) + p + j] = v;
-            if (v > mx[g]) mx[g] = v;
-          }
-        }
-        p += np;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores + g * (L + 1);
-        float sum = 0.0f;
-        for (int64_t p = first; p < L; ++p) {
-          sg[p] = expf(sg[p] - mx[g]);
-          sum += sg[p];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t p = first; p < L; ++p) sg[p] *= inv;
-      }
-      const void* vcache = static_cast<const char*>(kv) + cache_half * (dt ? 2 : 4);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* sg = scores + g * (L + 1);
-        float* ag = acc + g * head_dim;
-        int64_t d = 0;
-        for (; d + 64 <= head_dim; d += 64) value_sum<8>(vcache, dt, off, first, L, sg, d, ag + d);
-        for (; d + 8 <= head_dim; d += 8) value_sum<1>(vcache, dt, off, first, L, sg, d, ag + d);
-        for (; d < head_dim; ++d) {
-          float a = 0.0f;
-          for (int64_t p = first; p < L; ++p) a += sg[p] * load(vcache, off[p] + d, dt);
-          ag[d] = a;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          store(out, (tok[i] * hq + kh * group + g) * head_dim + d, acc[g * head_dim + d], dt);
-      free(off);
+  // One item per (query token, KV head): its query heads share every K and V row read.
+  parallel_for(n * hkv, nthreads, [&](int64_t item) {
+    const int64_t i = item / hkv, kh = item % hkv;
+    const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
+    const int32_t* blocks = block_table + row[i] * bt_stride;
+    const int64_t qpos = L - 1;
+    const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
+    // Per position: the element offset of its K row; its V row is cache_half further on.
+    int64_t* off = static_cast<int64_t*>(
+        malloc(L * 8 + (L + 1) * group * 4 + head_dim * group * 8));
+    float* scores = reinterpret_cast<float*>(off + L);
+    float* qf = scores + (L + 1) * group;
+    float* acc = qf + head_dim * group;
+    for (int64_t p = first; p < L; ++p) {
+      const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size +
+                           p % block_size;
+      off[p] = (slot * hkv + kh) * head_dim;
     }
-  }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d)
+        qf[g * head_dim + d] = load(q, tok[i] * q_stride + (kh * group + g) * head_dim + d, dt);
+    float mx[64];
+    for (int64_t g = 0; g < group; ++g) mx[g] = -INFINITY;
+    for (int64_t p = first; p < L;) {
+      const int np = L - p >= 4 ? 4 : 1;  // four keys at a time, then one by one
+      for (int64_t g = 0; g < group; ++g) {
+        float sc[4];
+        if (np == 4)
+          key_dots<4>(kv, dt, off + p, qf + g * head_dim, head_dim, sc);
+        else
+          key_dots<1>(kv, dt, off + p, qf + g * head_dim, head_dim, sc);
+        for (int j = 0; j < np; ++j) {
+          float v = sc[j] * scale;
+          if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+          scores[g * (L + 1) + p + j] = v;
+          if (v > mx[g]) mx[g] = v;
+        }
+      }
+      p += np;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * (L + 1);
+      float sum = 0.0f;
+      for (int64_t p = first; p < L; ++p) {
+        sg[p] = expf(sg[p] - mx[g]);
+        sum += sg[p];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t p = first; p < L; ++p) sg[p] *= inv;
+    }
+    const void* vcache = static_cast<const char*>(kv) + cache_half * (dt ? 2 : 4);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* sg = scores + g * (L + 1);
+      float* ag = acc + g * head_dim;
+      int64_t d = 0;
+      for (; d + 64 <= head_dim; d += 64) value_sum<8>(vcache, dt, off, first, L, sg, d, ag + d);
+      for (; d + 8 <= head_dim; d += 8) value_sum<1>(vcache, dt, off, first, L, sg, d, ag + d);
+      for (; d < head_dim; ++d) {
+        float a = 0.0f;
+        for (int64_t p = first; p < L; ++p) a += sg[p] * load(vcache, off[p] + d, dt);
+        ag[d] = a;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d)
+        store(out, (tok[i] * hq + kh * group + g) * head_dim + d, acc[g * head_dim + d], dt);
+    free(off);
+  });
 }
 
 }  // extern "C"

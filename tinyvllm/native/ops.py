@@ -13,6 +13,7 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 import torch
 
 from tinyvllm.native.build import load_library
+from tinyvllm.utils.cpu import native_threads
 
 # Input rows up to which the native kernel beats torch: with bf16 weights up to 64 rows
 # (measured on a 2-core AVX2 EPYC, one thread, SmolLM2-135M's layer shapes: 2.5x less CPU time
@@ -90,7 +91,7 @@ class NativeCpuOps:
         lib = load_library()
         if lib is None:
             return None
-        return cls(lib, num_threads or torch.get_num_threads())
+        return cls(lib, num_threads or native_threads())
 
     # ---- matmul ---------------------------------------------------------------------------
     @staticmethod

@@ -21,7 +21,6 @@
 // Activation / output dtype codes as in cpu_kernels.cpp: 0 = float32, 1 = bfloat16.
 
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -345,18 +344,17 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
   const int64_t row_bytes = K / elems * bytes, groups = K / 32;
-  const int64_t tile_rows = M < kMaxRows ? M : kMaxRows;
-  // fp32 rows, then the group sums [groups][8] (32-byte aligned: K is a multiple of 32).
-  const int64_t buf_bytes = (tile_rows * K + 8 * groups) * 4;
-  float* xf = static_cast<float*>(aligned_alloc(64, (buf_bytes + 63) / 64 * 64));
-  float* xs8 = xf + tile_rows * K;
-  const uint8_t* wb = static_cast<const uint8_t*>(w);
-  // Chunks of output rows: each thread takes a contiguous range (static schedule), so its
-  // weight stream is sequential for the prefetchers.
-  constexpr int64_t kChunk = 32;
-  const int64_t nchunks = (N + kChunk - 1) / kChunk;
-  for (int m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int tile = M - m0 < kMaxRows ? M - m0 : kMaxRows;
+  const int64_t ntiles = (M + kMaxRows - 1) / kMaxRows;
+  // Per tile of up to kMaxRows input rows: fp32 rows, then the group sums [groups][8]
+  // (32-byte aligned: K is a multiple of 32).
+  const int64_t tile_floats = kMaxRows * K + 8 * groups;
+  const int64_t buf_bytes = ntiles * tile_floats * 4;
+  float* buf = static_cast<float*>(aligned_alloc(64, (buf_bytes + 63) / 64 * 64));
+  for (int64_t t = 0; t < ntiles; ++t) {
+    const int64_t m0 = t * kMaxRows;
+    const int tile = static_cast<int>(M - m0 < kMaxRows ? M - m0 : kMaxRows);
+    float* xf = buf + t * tile_floats;
+    float* xs8 = xf + kMaxRows * K;
     memset(xs8, 0, 8 * groups * 4);
     for (int m = 0; m < tile; ++m)
       for (int64_t g = 0; g < groups; ++g) {
@@ -368,20 +366,26 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
         }
         xs8[8 * g + m] = s;
       }
-    const RowsFn fn = rows_for(w_fmt, tile);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t c = 0; c < nchunks; ++c) {
-      const int64_t n0 = c * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
-      float res[kChunk * kMaxRows];
-      fn(wb, row_bytes, xf, xs8, K, n0, n1, res);
-      for (int64_t n = n0; n < n1; ++n) {
-        const float b = bias ? load(bias, n, b_dt) : 0.0f;
-        for (int m = 0; m < tile; ++m)
-          store(out, (m0 + m) * N + n, res[(n - n0) * tile + m] + b, x_dt);
-      }
-    }
   }
-  free(xf);
+  const uint8_t* wb = static_cast<const uint8_t*>(w);
+  // One parallel region for all tiles; items are (tile, 32 output rows), contiguous weight
+  // bytes each, so every thread's stream stays sequential for the prefetchers.
+  constexpr int64_t kChunk = 32;
+  const int64_t nchunks = (N + kChunk - 1) / kChunk;
+  parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {
+    const int64_t m0 = item / nchunks * kMaxRows;
+    const int tile = static_cast<int>(M - m0 < kMaxRows ? M - m0 : kMaxRows);
+    const float* xf = buf + item / nchunks * tile_floats;
+    const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
+    float res[kChunk * kMaxRows];
+    rows_for(w_fmt, tile)(wb, row_bytes, xf, xf + kMaxRows * K, K, n0, n1, res);
+    for (int64_t n = n0; n < n1; ++n) {
+      const float b = bias ? load(bias, n, b_dt) : 0.0f;
+      for (int m = 0; m < tile; ++m)
+        store(out, (m0 + m) * N + n, res[(n - n0) * tile + m] + b, x_dt);
+    }
+  });
+  free(buf);
 }
 
 // The one entry the decode program calls for any weight: dense rows (codes 0, 1) go to
@@ -402,9 +406,12 @@ void tv_dequant_rows(const void* w, int w_fmt, int64_t K, int64_t row0, int64_t 
   block_layout(w_fmt, &elems, &bytes);
   const int64_t row_bytes = K / elems * bytes;
   const uint8_t* wb = static_cast<const uint8_t*>(w);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t r = row0; r < row1; ++r)
-    dequant_row(w_fmt, wb + r * row_bytes, K, out + (r - row0) * K);
+  constexpr int64_t kRows = 8;  // per item: enough work to amortise the claim
+  parallel_for((row1 - row0 + kRows - 1) / kRows, nthreads, [&](int64_t item) {
+    const int64_t r0 = row0 + item * kRows, r1 = r0 + kRows < row1 ? r0 + kRows : row1;
+    for (int64_t r = r0; r < r1; ++r)
+      dequant_row(w_fmt, wb + r * row_bytes, K, out + (r - row0) * K);
+  });
 }
 
 // Embedding lookup: out[t] = row ids[t] of w (any format code), dequantized to fp32 and stored

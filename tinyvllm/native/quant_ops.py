@@ -17,6 +17,7 @@ from types import MappingProxyType
 import torch
 
 from tinyvllm.native.build import load_library
+from tinyvllm.utils.cpu import native_threads
 
 # Weight format codes shared with quant_kernels.cpp (and the decode program's TvLayer).
 FORMAT_F32 = 0
@@ -52,10 +53,13 @@ def format_code(dtype: torch.dtype) -> int | None:
 
 
 class QuantKernels:
-    """The loaded library's block kernels; every call runs on `torch.get_num_threads()`."""
+    """The loaded library's block kernels; calls run on `num_threads`, fixed when the library
+    loads (at model load): decode steps lower torch's own count while they run, see
+    `torch_intra_op_threads`."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
         self.lib = lib
+        self.num_threads = num_threads
         linear_args = [
             c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_int64,
             c_int64, c_int,
@@ -107,7 +111,7 @@ class QuantKernels:
             x.data_ptr(), _DTYPE_FORMATS[x.dtype], weight.data_ptr(), fmt,
             None if bias is None else bias.data_ptr(),
             0 if bias is None else _DTYPE_FORMATS[bias.dtype], out.data_ptr(), m, out_features,
-            k, torch.get_num_threads(),
+            k, self.num_threads,
         )  # fmt: skip
         return out
 
@@ -118,8 +122,7 @@ class QuantKernels:
         bit what tinyvllm.gguf.dequant gives."""
         out = torch.empty((stop - start, in_features), dtype=torch.float32)
         self.lib.tv_dequant_rows(
-            weight.data_ptr(), fmt, in_features, start, stop, out.data_ptr(),
-            torch.get_num_threads(),
+            weight.data_ptr(), fmt, in_features, start, stop, out.data_ptr(), self.num_threads,
         )  # fmt: skip
         return out
 
@@ -161,4 +164,4 @@ class QuantKernels:
 def quant_kernels() -> QuantKernels | None:
     """The block kernels of this machine's native library (None where it does not load)."""
     lib = load_library()
-    return None if lib is None else QuantKernels(lib)
+    return None if lib is None else QuantKernels(lib, native_threads())

@@ -36,7 +36,11 @@ from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
 from tinyvllm.sample.sampler import Sampler
-from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
+from tinyvllm.utils.cpu import (
+    FP32_GEMM_MIN_ROWS,
+    has_native_bf16_matmul,
+    torch_intra_op_threads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +141,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        program = self.decode_program
+        if program is not None and program.supports(sched.total_num_scheduled_tokens):
+            # The native kernels run this step on their own threads; torch's OpenMP workers,
+            # woken by sampling, would spin for milliseconds on the same cores.
+            with torch_intra_op_threads(1):
+                return self._execute_model(sched)
+        return self._execute_model(sched)
+
+    def _execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             row = states.req_id_to_row.get(req_id)

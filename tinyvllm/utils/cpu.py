@@ -1,9 +1,15 @@
-"""CPU feature checks that change how the engine computes."""
+"""CPU feature checks that change how the engine computes, and how many cores it may use."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
+
+import torch
 
 # Rows at which an fp32 GEMM on an fp32 weight copy beats torch's bf16 kernel on AVX2-only
 # CPUs (measured on a 2-core AMD EPYC: bf16 wins below ~6 rows, where it is memory-bound).
@@ -43,3 +49,63 @@ def has_native_bf16_matmul() -> bool:
     if cpuinfo() is None:
         return True
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def _cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in cores (None: unlimited or unknown).
+
+    cgroup v2 `cpu.max` ("quota period" or "max period"), else v1's cfs_quota_us/cfs_period_us.
+    Containers often see every core of the host but may use only their quota: a thread per
+    visible core then waits out most of each time slice.
+    """
+    try:
+        line = (root / "cpu.max").read_text().split()
+        if line[0] != "max":
+            return int(line[0]) / int(line[1])
+        return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+@functools.cache
+def available_cpus() -> int:
+    """Cores this process may run on: its affinity mask, capped by its cgroup CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, math.ceil(limit)))
+    return max(1, cores)
+
+
+def native_threads() -> int:
+    """Threads for the native kernels: torch's intra-op count (so `torch.set_num_threads`
+    still rules), never more than the cores this process may actually use."""
+    return max(1, min(torch.get_num_threads(), available_cpus()))
+
+
+@contextlib.contextmanager
+def torch_intra_op_threads(count: int) -> Iterator[None]:
+    """Run the block with torch's intra-op thread count set to `count`, then restore it.
+
+    For steps whose heavy work runs on the native kernels' own threads: torch's OpenMP
+    workers spin for milliseconds after each parallel op (sampling on a logits row), taking a
+    core from the native workers. Setting the count is a sub-microsecond call.
+    """
+    before = torch.get_num_threads()
+    if before == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
