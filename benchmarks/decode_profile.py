@@ -63,7 +63,7 @@ def kernel_breakdown(
 ) -> list[tuple[str, float, float]]:
     """(kernel, ms per step, GB/s) for the native kernels on the model's own weights."""
     runner = llm.engine.runner
-    ops = runner.native
+    ops = runner.platform.native
     layers = list(runner.model.model.layers)
     hidden = layers[0].input_layernorm.weight.shape[0]
     dtype = layers[0].input_layernorm.weight.dtype
@@ -156,7 +156,7 @@ def main() -> None:
           f"({'eager' if args.eager else 'native'}), {steps.pop('steps')} steps")  # fmt: skip
     for name, ms in steps.items():
         print(f"{name:<24} {ms:8.3f} ms")
-    if llm.engine.runner.native is not None:
+    if getattr(llm.engine.runner.platform, "native", None) is not None:
         print(f"\n## native kernels, batch {args.batch}, summed over all layers")
         for name, ms, gbs in kernel_breakdown(llm, args.batch, 64, 20):
             print(f"{name:<24} {ms:8.3f} ms  {gbs:6.1f} GB/s")

@@ -30,7 +30,8 @@ from quant_matmul import best_times_us
 
 from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.native import NativeCpuOps
-from tinyvllm.native.quant_ops import FORMAT_Q4_1, FORMAT_Q8_0, quant_kernels
+from tinyvllm.native.abi import FORMAT_Q4_1, FORMAT_Q8_0
+from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.quant import QuantConfig, QuantizedWeight
 
 SHAPES: dict[str, tuple[int, int]] = {  # name -> (out N, in K)
@@ -44,16 +45,10 @@ GT = gguf.GGMLQuantizationType
 
 
 def int4pack(data: torch.Tensor, n: int, k: int) -> QuantizedWeight:
-    """The same Q4_1 blocks repacked for torch's int4 kernel (the pre-native gguf path)."""
-    import tinyvllm.quant.weight as weight_module
-
-    saved = weight_module.quant_kernels
-    weight_module.quant_kernels = lambda: None  # type: ignore[assignment]
-    try:
-        qw = QuantizedWeight(k, n, QuantConfig("gguf"))
-        qw.load_rows(GGUFWeight(data, int(GT.Q4_1), (n, k)), 0, n)
-    finally:
-        weight_module.quant_kernels = saved
+    """The same Q4_1 blocks repacked for torch's int4 kernel (the pre-native gguf path: a
+    weight given no native kernels)."""
+    qw = QuantizedWeight(k, n, QuantConfig("gguf"))
+    qw.load_rows(GGUFWeight(data, int(GT.Q4_1), (n, k)), 0, n)
     assert qw.format == "int4"
     return qw
 
@@ -67,7 +62,7 @@ def columns(
     w16: list[torch.Tensor],
     w32: list[torch.Tensor],
 ) -> dict[str, list[Callable[[], object]]]:
-    kernels, ops = quant_kernels(), NativeCpuOps.load()
+    kernels, ops = QuantKernels.load(), NativeCpuOps.load()
     assert kernels is not None and ops is not None, "native kernels unavailable here"
     xf = x.float()
     return {

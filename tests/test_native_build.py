@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tinyvllm.native import abi
 from tinyvllm.native import build as build_mod
 from tinyvllm.native.ops import NativeCpuOps
 
@@ -20,10 +21,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def compile_library(target: Path, symbols: list[str], marker: Path | None = None) -> None:
-    """A tiny shared library exporting `symbols`; with `marker`, its constructor writes that
-    file (what a planted library would do when loaded)."""
-    body = "".join(f"void {name}(void) {{}}\n" for name in symbols)
+def compile_library(
+    target: Path, symbols: list[str], marker: Path | None = None, version: int = abi.ABI_VERSION
+) -> None:
+    """A tiny shared library exporting `symbols` (`tv_abi_version` returning `version`); with
+    `marker`, its constructor writes that file (what a planted library would do when loaded)."""
+    body = "".join(
+        f"int {name}(void) {{ return {version}; }}\n"
+        if name == "tv_abi_version"
+        else f"void {name}(void) {{}}\n"
+        for name in symbols
+    )
     if marker is not None:
         body += (
             "#include <stdio.h>\n__attribute__((constructor)) static void planted(void) "
@@ -117,3 +125,34 @@ def test_library_that_does_not_load_turns_native_off(cache: dict) -> None:
     path.parent.mkdir(mode=0o700, parents=True)
     path.write_bytes(b"not an ELF file")
     assert build_mod.load_library() is None
+
+
+def test_library_of_another_abi_version_is_rebuilt_once(
+    cache: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cached library compiled for another ABI (a stale cache, a hand-copied file) would be
+    called with the wrong signatures: it is rebuilt, and the rebuilt one is used."""
+    path: Path = cache["path"]
+    path.parent.mkdir(mode=0o700, parents=True)
+    compile_library(path, build_mod.exported_symbols(), version=abi.ABI_VERSION - 1)
+    with caplog.at_level(logging.INFO, logger=build_mod.__name__):
+        lib = build_mod.load_library()
+    assert lib is not None and lib.tv_abi_version() == abi.ABI_VERSION
+    assert len(cache["builds"]) == 1
+    assert f"built for native ABI version {abi.ABI_VERSION - 1}" in caplog.text
+    # The rebuilt library replaced the stale one in the cache (the next process loads it).
+    assert path.exists() and not path.with_name(f"{path.stem}.rebuilt{path.suffix}").exists()
+
+
+def test_abi_mismatch_after_the_rebuild_falls_back_to_torch(
+    cache: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sources whose TV_ABI_VERSION disagrees with abi.py: one rebuild, then torch (one
+    warning), never a call through mismatched signatures."""
+    monkeypatch.setattr(abi, "ABI_VERSION", abi.ABI_VERSION + 1)  # the stubs report the old
+    with caplog.at_level(logging.WARNING, logger=build_mod.__name__):
+        assert build_mod.load_library() is None
+    assert len(cache["builds"]) == 2  # the first build, then one rebuild
+    (record,) = [r for r in caplog.records if r.name == build_mod.__name__]
+    assert "native CPU kernels off" in record.getMessage()
+    assert f"needs {abi.ABI_VERSION}" in record.getMessage()

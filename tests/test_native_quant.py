@@ -15,17 +15,12 @@ from tinyvllm.gguf.dequant import dequantize
 from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.models.layers.embedding import VocabEmbedding
 from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear
+from tinyvllm.native.abi import FORMAT_BF16, FORMAT_F32, GGUF_FORMATS
 from tinyvllm.native.build import unsupported_reason
-from tinyvllm.native.quant_ops import (
-    FORMAT_BF16,
-    FORMAT_F32,
-    GEMV_MAX_ROWS,
-    GGUF_FORMATS,
-    QuantKernels,
-    quant_kernels,
-)
+from tinyvllm.native.quant_ops import GEMV_MAX_ROWS, QuantKernels
 from tinyvllm.quant import QuantConfig, QuantizedWeight
 from tinyvllm.quant.formats import GGUFBlocks
+from tinyvllm.quant.weight import bind_quant_kernels
 
 gguf = pytest.importorskip("gguf")
 GT = gguf.GGMLQuantizationType
@@ -37,7 +32,7 @@ QTYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K]
 
 @pytest.fixture(scope="module")
 def kernels() -> QuantKernels:
-    loaded = quant_kernels()
+    loaded = QuantKernels.load()
     assert loaded is not None
     return loaded
 
@@ -137,9 +132,9 @@ def test_dense_codes_dispatch_to_the_float_gemv(kernels: QuantKernels, dtype: to
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: GT(q).name)
-def test_gguf_weights_keep_their_blocks(qtype: int) -> None:
+def test_gguf_weights_keep_their_blocks(kernels: QuantKernels, qtype: int) -> None:
     w = random_blocks(40, 256, qtype)
-    qw = QuantizedWeight(256, 40, QuantConfig("gguf"))
+    qw = QuantizedWeight(256, 40, QuantConfig("gguf"), kernels)
     qw.load_rows(w, 0, 40)
     assert isinstance(qw.packed, GGUFBlocks) and qw.packed.qtype == qtype
     assert torch.equal(qw.packed.qweight, w.data)  # the file's bytes, not repacked
@@ -151,8 +146,9 @@ def test_gguf_weights_keep_their_blocks(qtype: int) -> None:
     assert_matches_fp32(qw.linear(x), x, reference(w), None)
 
 
-def test_fused_shards_of_one_type_stack_their_blocks() -> None:
+def test_fused_shards_of_one_type_stack_their_blocks(kernels: QuantKernels) -> None:
     layer = QKVLinear(256, 32, 4, 2, bias=True, quant_config=QuantConfig("gguf"))
+    bind_quant_kernels(layer, kernels)
     shards = {s: random_blocks(n, 256, GT.Q4_1, seed=i) for i, (s, n) in enumerate(
         [("q", 128), ("k", 64), ("v", 64)])}  # fmt: skip
     for shard_id in ("v", "q", "k"):  # any order
@@ -165,15 +161,16 @@ def test_fused_shards_of_one_type_stack_their_blocks() -> None:
         assert_matches_fp32(layer(x), x, full, layer.bias)
 
 
-def test_fused_shards_of_mixed_types_fall_back() -> None:
+def test_fused_shards_of_mixed_types_fall_back(kernels: QuantKernels) -> None:
     layer = MergedColumnLinear(256, [64, 64], bias=False, quant_config=QuantConfig("gguf"))
+    bind_quant_kernels(layer, kernels)
     layer.weight.weight_loader(layer.weight, random_blocks(64, 256, GT.Q4_K), 0)
     layer.weight.weight_loader(layer.weight, random_blocks(64, 256, GT.Q6_K), 1)
     assert layer.qweight is not None and layer.qweight.format == "int8"
     assert layer.qweight.native_weight is None
 
 
-def test_exact_tables_keep_blocks_or_file_floats() -> None:
+def test_exact_tables_keep_blocks_or_file_floats(kernels: QuantKernels) -> None:
     """Embedding / lm_head under "gguf": Q8_0 stays blocks, a type the kernels do not read
     (Q5_0) and float tables keep the file's values in the model dtype; never requantized."""
     for loaded, fmt in [
@@ -183,6 +180,7 @@ def test_exact_tables_keep_blocks_or_file_floats() -> None:
     ]:
         with torch.device("cpu"):
             emb = VocabEmbedding(100, 64, QuantConfig("gguf"))
+        bind_quant_kernels(emb, kernels)
         emb.weight.weight_loader(emb.weight, loaded)
         assert emb.qweight is not None and emb.qweight.format == fmt
         table = loaded.dequantize() if isinstance(loaded, GGUFWeight) else loaded

@@ -13,8 +13,9 @@ import torch
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.native import NativeCpuOps
+from tinyvllm.native.abi import FORMAT_Q4_1
 from tinyvllm.native.build import library_path, load_library, unsupported_reason
-from tinyvllm.native.quant_ops import FORMAT_Q4_1, QuantKernels
+from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.utils.cpu import _cgroup_cpu_limit, available_cpus, native_threads
 
 native_only = pytest.mark.skipif(

@@ -69,15 +69,6 @@ def gguf_reference(w: GGUFWeight) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), w.qtype)).reshape(w.shape)
 
 
-@pytest.fixture
-def no_native_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The conversions of machines without the native kernels (GGUF blocks kept as they are
-    where those load: tests/test_native_quant.py)."""
-    import tinyvllm.quant.weight
-
-    monkeypatch.setattr(tinyvllm.quant.weight, "quant_kernels", lambda: None)
-
-
 # --- kernels ---------------------------------------------------------------------------
 
 
@@ -193,7 +184,6 @@ def test_int4_falls_back_to_int8_when_groups_do_not_fit() -> None:
     assert qw.format == "int8"
 
 
-@pytest.mark.usefixtures("no_native_blocks")
 @pytest.mark.parametrize("qtype", [GT.Q4_0, GT.Q4_1, GT.Q4_K])
 def test_gguf_int4_blocks_repack_exactly(qtype: int) -> None:
     from tinyvllm.gguf.dequant import q4_blocks
@@ -216,7 +206,6 @@ def test_gguf_int4_blocks_repack_exactly(qtype: int) -> None:
         assert rel_err(qw.linear(x), F.linear(x.float(), reference)) < 6e-3
 
 
-@pytest.mark.usefixtures("no_native_blocks")
 @pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q6_K, GT.Q5_0])
 def test_other_gguf_formats_requantize_to_int8(qtype: int) -> None:
     if qtype == GT.Q6_K:
@@ -417,7 +406,6 @@ def test_int8_model_close_to_float(calm_checkpoints: dict[str, Path], family: st
     assert model_bytes(model) < 0.56 * model_bytes(float_model)
 
 
-@pytest.mark.usefixtures("no_native_blocks")
 def test_gguf_blocks_load_like_their_dequantized_floats(calm_checkpoints: dict[str, Path]) -> None:
     """Q4_0 linear weights and a Q8_0 embedding, streamed as raw blocks, give the model the
     float model loaded with the same blocks dequantized gives (int4 repack is lossless)."""

@@ -14,10 +14,8 @@ import torch
 from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.attention.layer import Attention
 from tinyvllm.attention.torch_attn import TorchAttentionBackend
+from tinyvllm.native.abi import MAX_QUERIES_PER_KV
 from tinyvllm.native.ops import NativeCpuOps, dtype_code
-
-# The kernel keeps one running max per query head of a KV group on the stack.
-_MAX_GROUP = 64
 
 
 @dataclass
@@ -44,7 +42,7 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
 
     def _native_ok(self, layer: Attention, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
-            layer.num_heads // layer.num_kv_heads <= _MAX_GROUP
+            layer.num_heads // layer.num_kv_heads <= MAX_QUERIES_PER_KV
             and dtype_code(query.dtype) is not None
             and kv_cache.dtype == query.dtype
             and query.stride(2) == 1

@@ -20,6 +20,7 @@ from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear, Replica
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
 from tinyvllm.models.weights import load_named_weights
+from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan, NativeMatrix
 from tinyvllm.native.ops import elementwise_rows_fit
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import finalize_quantized_weights
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 
     from tinyvllm.attention.backend import AttentionMetadata
     from tinyvllm.gguf.weight import GGUFWeight
-    from tinyvllm.native.llama_decode import LlamaDecodeProgram
-    from tinyvllm.native.ops import NativeCpuOps
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,16 @@ def layer_sliding_windows(config: Any, mode: str) -> list[int | None]:
         first = getattr(config, "max_window_layers", 0)
         return [window if i >= first else None for i in range(num_layers)]
     return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
+
+
+def _native_matrix(layer: nn.Module, bias: torch.Tensor | None) -> NativeMatrix | None:
+    """A linear layer's or embedding's weight as the native kernels read it (None: they
+    cannot, e.g. int8 / int4 repacked)."""
+    qweight = layer.qweight
+    if qweight is None:
+        return NativeMatrix.dense(layer.weight, bias)
+    native = qweight.native_weight
+    return None if native is None else NativeMatrix(native[1], native[0], bias)
 
 
 class LlamaAttention(nn.Module):
@@ -170,6 +179,32 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def native_plan(self) -> DecodeLayerPlan | None:
+        """This layer for the native decode program (None: it cannot run it); call after
+        the KV cache is bound."""
+        attn, mlp = self.self_attn, self.mlp
+        kv_cache = attn.attn.kv_cache
+        if kv_cache is None or attn.attn.logits_soft_cap:
+            return None
+        qkv = _native_matrix(attn.qkv_proj, attn.qkv_proj.bias)
+        o = _native_matrix(attn.o_proj, attn.o_proj.bias)
+        gate_up = _native_matrix(mlp.gate_up_proj, mlp.gate_up_proj.bias)
+        down = _native_matrix(mlp.down_proj, mlp.down_proj.bias)
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        return DecodeLayerPlan(
+            input_norm=self.input_layernorm.weight,
+            post_attention_norm=self.post_attention_layernorm.weight,
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+            kv_cache=kv_cache,
+            sliding_window=attn.attn.sliding_window or 0,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -251,11 +286,32 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def native_decode_program(self, ops: NativeCpuOps) -> LlamaDecodeProgram | None:
-        """The whole decode step as one native call (CPU; None if this model cannot)."""
-        from tinyvllm.native.llama_decode import LlamaDecodeProgram
-
-        return LlamaDecodeProgram.build(self, ops)
+    def native_decode_plan(self) -> DecodePlan | None:
+        """Every tensor the native decode program reads, per layer (None: this model cannot
+        run as one native call); call after the KV caches are bound."""
+        inner = self.model
+        layers = [layer.native_plan() for layer in inner.layers]
+        embed = _native_matrix(inner.embed_tokens, None)
+        eps = {layer.input_layernorm.eps for layer in inner.layers}
+        if embed is None or len(eps) != 1 or any(layer is None for layer in layers):
+            return None
+        first = inner.layers[0]
+        attn, rope = first.self_attn.attn, inner.rotary_emb
+        return DecodePlan(
+            dtype=inner.norm.weight.dtype,
+            embed=embed,
+            final_norm=inner.norm.weight,
+            cos_cache=rope.cos_cache,
+            sin_cache=rope.sin_cache,
+            layers=tuple(layer for layer in layers if layer is not None),
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            rotary_dim=rope.rotary_dim,
+            intermediate_size=first.mlp.down_proj.input_size,
+            eps=eps.pop(),
+            scale=attn.scale,
+        )
 
     def _ignored_checkpoint_tensor(self, name: str) -> bool:
         if "rotary_emb." in name:  # inv_freq / cos / sin caches some exports include

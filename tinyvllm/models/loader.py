@@ -19,7 +19,9 @@ from tinyvllm.models.checkpoint_check import (
     read_tensor_directory,
 )
 from tinyvllm.models.registry import get_model_class
+from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.quant.config import QuantConfig
+from tinyvllm.quant.weight import bind_quant_kernels
 from tinyvllm.utils.hub import HUB_ALLOW_PATTERNS
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -208,13 +210,16 @@ def load_model(
     device: torch.device | str,
     max_model_len: int,
     quant_config: QuantConfig | None = None,
+    quant_kernels: QuantKernels | None = None,
 ) -> nn.Module:
     """Build the registered model class for `hf_config` on `device` in `dtype` and load
     its weights from `model_dir` (safetensors) or a .gguf file.
 
     With a `quant_config` ("int8", "int4", "gguf") linear layers, the embedding and the
     lm_head hold weight-only quantized tensors; "gguf" streams the file's raw blocks into
-    them, the others quantize float weights as they arrive.
+    them, the others quantize float weights as they arrive. `quant_kernels` are the native
+    CPU block kernels the platform chose (see tinyvllm/platforms/); without them GGUF blocks
+    are converted for torch's kernels.
     """
     model_cls = get_model_class(hf_config)
     path = Path(model_dir)
@@ -224,6 +229,7 @@ def load_model(
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(hf_config, max_model_len, quant_config=quant_config)  # type: ignore[call-arg]
+    bind_quant_kernels(model, quant_kernels)
     keep_blocks = quant_config is not None and quant_config.method == "gguf"
     weights = _iter_weights(path, hf_config, dtype, device, keep_blocks)
     try:

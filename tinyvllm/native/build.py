@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tinyvllm.native import abi
 from tinyvllm.utils.cpu import cpu_flags
 from tinyvllm.utils.dirs import native_cache_dir
 
@@ -45,8 +46,9 @@ FLAGS = (
     "-std=c++17",
 )  # fmt: skip
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-# An exported function: `void tv_name(` at the start of a line of a source file.
-_EXPORT = re.compile(r"^void (tv_\w+)\(", re.MULTILINE)
+# An exported function: `void tv_name(` or `int64_t tv_name(` (any return type, optionally
+# `extern "C"`) at the start of a line of a source file.
+_EXPORT = re.compile(r'^(?:extern "C" )?\w+ (tv_\w+)\(', re.MULTILINE)
 
 
 def unsupported_reason() -> str | None:
@@ -134,18 +136,48 @@ def _trusted_cache(path: Path) -> bool:
 
 
 def _open_checked(path: Path) -> ctypes.CDLL | None:
-    """The library at `path`, or None (one log line) when it does not load or lacks a
-    function the Python side calls (a stale or foreign library)."""
+    """The library at `path` with every function bound to its `abi` signature, or None (one
+    log line) when it does not load, lacks a function the Python side calls or was built for
+    another ABI version (a stale or foreign library)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         logger.warning("native CPU kernels off: %s does not load (%s)", path, exc)
         return None
-    missing = [name for name in exported_symbols() if not hasattr(lib, name)]
+    missing = abi.missing_functions(lib)
     if missing:
         logger.warning(
             "native CPU kernels off: %s lacks %s (delete it to rebuild)", path, ", ".join(missing)
         )
+        return None
+    abi.bind(lib)
+    return lib
+
+
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Why `lib` cannot be called through `abi` (None when its version is abi.ABI_VERSION)."""
+    version = lib.tv_abi_version()
+    if version == abi.ABI_VERSION:
+        return None
+    return f"it was built for native ABI version {version}, this tinyvllm needs {abi.ABI_VERSION}"
+
+
+def _open_current(path: Path, rebuild: bool) -> ctypes.CDLL | None:
+    """`_open_checked`, and on an ABI version mismatch one rebuild (when `rebuild`) before
+    giving up with one log line."""
+    lib = _open_checked(path)
+    reason = None if lib is None else abi_mismatch(lib)
+    if reason is not None and rebuild:
+        logger.info("native CPU kernels: rebuilding %s (%s)", path, reason)
+        # dlopen hands back the already mapped library for a path it has opened: build and
+        # open the new one under another name, then move it into the cache.
+        fresh = path.with_name(f"{path.stem}.rebuilt{path.suffix}")
+        build(fresh)
+        lib = _open_current(fresh, rebuild=False)
+        os.replace(fresh, path)
+        return lib
+    if reason is not None:
+        logger.warning("native CPU kernels off: %s: %s", path, reason)
         return None
     return lib
 
@@ -161,12 +193,12 @@ def load_library() -> ctypes.CDLL | None:
         if _trusted_cache(path):
             if not path.exists():
                 build(path)
-            return _open_checked(path)
+            return _open_current(path, rebuild=True)
         # mkdtemp folders are 0700 and new; the mapped library outlives its file.
         with tempfile.TemporaryDirectory(prefix="tinyvllm-native-") as private:
             own = Path(private) / path.name
             build(own)
-            return _open_checked(own)
+            return _open_current(own, rebuild=False)
     except (OSError, RuntimeError) as exc:
         logger.warning("native CPU kernels off: %s", exc)
         return None

@@ -9,6 +9,10 @@
 
 #include <type_traits>
 
+// The ABI this source tree exports (tinyvllm/native/abi.py declares it for ctypes: signatures,
+// struct layouts, codes). Bump both together on any change the Python side must follow.
+#define TV_ABI_VERSION 2
+
 namespace tv {
 
 using RangeFn = void (*)(void* ctx, int64_t item);

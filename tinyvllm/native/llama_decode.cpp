@@ -2,7 +2,6 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -44,6 +43,8 @@ struct TvModel {
   const float* sin_c;
   const TvLayer* layers;
   int embed_fmt;
+  void* workspace;  // tv_llama_workspace_bytes(B) bytes or more, owned by the caller
+  int64_t workspace_bytes;
 };
 
 // In-place RMSNorm of every head of strided rows (Qwen3's per-head q/k norms).
@@ -63,17 +64,44 @@ void tv_head_norm(void* x, int64_t stride, int64_t heads, int64_t d, const void*
     }
 }
 
+namespace {
+
+constexpr int kOk = 0;
+constexpr int kErrWorkspace = 1;  // abi.STATUS_WORKSPACE_TOO_SMALL
+
+int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// Bytes of the activation buffers of a B-token step (one slab: hidden, residual, normed, qkv,
+// attn, gate_up, act), then the per-token index arrays, each 64-byte aligned.
+int64_t activation_bytes(const TvModel* m, int64_t B) {
+  const int64_t elem = m->dt ? 2 : 4, qs = m->hq * m->head_dim, kvs = m->hkv * m->head_dim;
+  return align64(elem * B * (3 * m->hidden + qs + 2 * kvs + qs + 3 * m->inter));
+}
+
+}  // namespace
+
+int tv_abi_version(void) { return TV_ABI_VERSION; }
+
+// The workspace a B-token step needs (the caller allocates it once per program and grows it
+// when batches grow; a step never allocates).
+int64_t tv_llama_workspace_bytes(const TvModel* m, int64_t B) {
+  return activation_bytes(m, B) + align64(sizeof(int64_t) * 2 * B) + align64(sizeof(int32_t) * B);
+}
+
 // B flattened tokens of R requests (query_start_loc [R + 1]); every token attends causally up
 // to its own position, so decode, K + 1 verify and short prefill chunks all fit.
-// hidden_out [B][hidden] receives the final normed hidden states.
-void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input_ids,
-                     const int64_t* positions, const int64_t* slots,
-                     const int32_t* query_start_loc, const int32_t* block_table,
-                     int64_t bt_stride, void* hidden_out) {
+// hidden_out [B][hidden] receives the final normed hidden states. Returns kOk, or
+// kErrWorkspace (nothing computed) when m->workspace is smaller than B tokens need.
+int tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input_ids,
+                    const int64_t* positions, const int64_t* slots,
+                    const int32_t* query_start_loc, const int32_t* block_table,
+                    int64_t bt_stride, void* hidden_out) {
+  if (m->workspace == nullptr || m->workspace_bytes < tv_llama_workspace_bytes(m, B))
+    return kErrWorkspace;
   const int dt = m->dt, nt = m->nthreads;
   const int64_t elem = dt ? 2 : 4, H = m->hidden, D = m->head_dim;
   const int64_t qs = m->hq * D, kvs = m->hkv * D, W = qs + 2 * kvs;
-  char* buf = static_cast<char*>(malloc(elem * B * (3 * H + W + qs + 3 * m->inter) + 64));
+  char* buf = static_cast<char*>(m->workspace);
   void* hidden = buf;
   void* residual = buf + elem * B * H;
   void* normed = buf + elem * B * 2 * H;
@@ -81,9 +109,10 @@ void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* inpu
   void* attn = static_cast<char*>(qkv) + elem * B * W;
   void* gate_up = static_cast<char*>(attn) + elem * B * qs;
   void* act = static_cast<char*>(gate_up) + elem * B * 2 * m->inter;
-  int64_t* tok = static_cast<int64_t*>(malloc(sizeof(int64_t) * 2 * B));
+  int64_t* tok = reinterpret_cast<int64_t*>(buf + activation_bytes(m, B));
   int64_t* tok_row = tok + B;
-  int32_t* tok_len = static_cast<int32_t*>(malloc(sizeof(int32_t) * B));
+  int32_t* tok_len = reinterpret_cast<int32_t*>(buf + activation_bytes(m, B) +
+                                                align64(sizeof(int64_t) * 2 * B));
   for (int64_t r = 0; r < R; ++r)
     for (int64_t t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t) tok_row[t] = r;
   for (int64_t b = 0; b < B; ++b) {
@@ -120,9 +149,7 @@ void tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* inpu
     tv_linear_any(act, dt, L.down_w, L.down_fmt, L.down_b, dt, hidden, B, H, m->inter, nt);
   }
   tv_rms_norm(hidden, residual, m->final_norm, hidden_out, dt, B, H, m->eps);
-  free(tok_len);
-  free(tok);
-  free(buf);
+  return kOk;
 }
 
 }  // extern "C"

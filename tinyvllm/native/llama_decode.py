@@ -1,79 +1,118 @@
 """A whole Llama-family decode step as one native call (see `tv_llama_decode`).
 
-`LlamaDecodeProgram` binds every weight, norm and KV tensor of a model once; a batch of up to
-`max_linear_rows` tokens then runs embedding -> layers -> final norm without returning to
-Python. Weights are float rows or GGUF blocks (format codes of quant_kernels.cpp). Models the
-kernels cannot express (int4/int8 repacked weights, mixed dtypes, soft caps, non-contiguous
-weights) get no program and keep the module path.
+`LlamaDecodeProgram` binds every tensor of a model's `DecodePlan` (which the model builds,
+see tinyvllm/native/decode_plan.py) once; a batch of up to `max_linear_rows` tokens then runs
+embedding -> layers -> final norm without returning to Python. Weights are float rows or
+GGUF blocks (format codes of abi.py). Plans the kernels cannot run (mixed dtypes,
+non-contiguous tensors, more than 64 query heads per KV head) get no program and keep the
+module path. The step's buffers live in a workspace the program owns: allocated once, grown
+with the batch, never allocated by the step itself.
 """
 
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, Structure, c_float, c_int, c_int64, c_void_p
-from typing import TYPE_CHECKING
 
 import torch
 
-from tinyvllm.native.ops import NativeCpuOps, dtype_code, max_linear_rows
-
-if TYPE_CHECKING:
-    from tinyvllm.models.llama import LlamaForCausalLM
-
-
-class _TvLayer(Structure):
-    _fields_ = [  # mirrors struct TvLayer
-        ("in_norm", c_void_p),
-        ("post_norm", c_void_p),
-        ("qkv_w", c_void_p),
-        ("qkv_b", c_void_p),
-        ("o_w", c_void_p),
-        ("o_b", c_void_p),
-        ("gate_up_w", c_void_p),
-        ("gate_up_b", c_void_p),
-        ("down_w", c_void_p),
-        ("down_b", c_void_p),
-        ("q_norm", c_void_p),
-        ("k_norm", c_void_p),
-        ("kv_cache", c_void_p),
-        ("window", c_int64),
-        ("qkv_fmt", c_int),
-        ("o_fmt", c_int),
-        ("gate_up_fmt", c_int),
-        ("down_fmt", c_int),
-    ]
+from tinyvllm.native.abi import (
+    FORMAT_BF16,
+    MAX_QUERIES_PER_KV,
+    STATUS_OK,
+    STATUS_WORKSPACE_TOO_SMALL,
+    TvLayer,
+    TvModel,
+    format_code,
+)
+from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan, NativeMatrix
+from tinyvllm.native.ops import NativeCpuOps, max_linear_rows
 
 
-class _TvModel(Structure):
-    _fields_ = [  # mirrors struct TvModel
-        ("dt", c_int),
-        ("nthreads", c_int),
-        ("num_layers", c_int64),
-        ("hidden", c_int64),
-        ("hq", c_int64),
-        ("hkv", c_int64),
-        ("head_dim", c_int64),
-        ("rot", c_int64),
-        ("inter", c_int64),
-        ("num_blocks", c_int64),
-        ("block_size", c_int64),
-        ("eps", c_float),
-        ("scale", c_float),
-        ("embed", c_void_p),
-        ("final_norm", c_void_p),
-        ("cos_c", c_void_p),
-        ("sin_c", c_void_p),
-        ("layers", POINTER(_TvLayer)),
-        ("embed_fmt", c_int),
-    ]
+class _Unsupported(Exception):
+    pass
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+class _Binder:
+    """Turns a plan's tensors into pointers, checking what the kernels assume, and keeps the
+    tensors alive for as long as the program points into them."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.keep: list[torch.Tensor] = []
+
+    def tensor(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise _Unsupported
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def matrix(self, m: NativeMatrix) -> tuple[int, int]:
+        """(pointer, format code) of a weight; its bias goes through `tensor`."""
+        dense = m.fmt <= FORMAT_BF16
+        if not m.data.is_contiguous() or m.data.device.type != "cpu":
+            raise _Unsupported
+        if dense and m.data.dtype != self.dtype:
+            raise _Unsupported
+        self.keep.append(m.data)
+        return m.data.data_ptr(), m.fmt
+
+    def layer(self, plan: DecodeLayerPlan) -> TvLayer:
+        qkv, o = self.matrix(plan.qkv), self.matrix(plan.o)
+        gate_up, down = self.matrix(plan.gate_up), self.matrix(plan.down)
+        return TvLayer(
+            self.tensor(plan.input_norm),
+            self.tensor(plan.post_attention_norm),
+            qkv[0],
+            self.tensor(plan.qkv.bias),
+            o[0],
+            self.tensor(plan.o.bias),
+            gate_up[0],
+            self.tensor(plan.gate_up.bias),
+            down[0],
+            self.tensor(plan.down.bias),
+            self.tensor(plan.q_norm),
+            self.tensor(plan.k_norm),
+            self.tensor(plan.kv_cache),
+            plan.sliding_window,
+            qkv[1],
+            o[1],
+            gate_up[1],
+            down[1],
+        )
+
+    def model(self, plan: DecodePlan, dt: int, num_threads: int, layers: ctypes.Array) -> TvModel:
+        kv = plan.layers[0].kv_cache
+        embed_ptr, embed_fmt = self.matrix(plan.embed)
+        self.keep += [plan.cos_cache, plan.sin_cache]
+        return TvModel(
+            dt,
+            num_threads,
+            len(plan.layers),
+            plan.final_norm.shape[0],
+            plan.num_heads,
+            plan.num_kv_heads,
+            plan.head_dim,
+            plan.rotary_dim,
+            plan.intermediate_size,
+            kv.shape[1],
+            kv.shape[2],
+            plan.eps,
+            plan.scale,
+            embed_ptr,
+            self.tensor(plan.final_norm),
+            plan.cos_cache.data_ptr(),
+            plan.sin_cache.data_ptr(),
+            layers,
+            embed_fmt,
+            None,
+            0,
+        )
 
 
 class LlamaDecodeProgram:
-    def __init__(self, ops: NativeCpuOps, model: _TvModel, layers: ctypes.Array, keep: list):
+    def __init__(self, ops: NativeCpuOps, model: TvModel, layers: ctypes.Array, keep: list):
         self.ops = ops
         self._model = model
         self._layers = layers
@@ -81,110 +120,35 @@ class LlamaDecodeProgram:
         self.hidden_size = int(model.hidden)
         self.dtype = torch.float32 if model.dt == 0 else torch.bfloat16
         self.max_rows = max_linear_rows(self.dtype)
-        fn = ops.lib.tv_llama_decode
-        fn.argtypes = [
-            POINTER(_TvModel), c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
-            c_void_p, c_int64, c_void_p,
-        ]  # fmt: skip
-        fn.restype = None
-        self._fn = fn
+        self._fn = ops.lib.tv_llama_decode
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._workspace_rows = 0
+        self._grow_workspace(self.max_rows)
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, ops: NativeCpuOps) -> LlamaDecodeProgram | None:
-        """The program for `model` with its KV caches bound, or None when unsupported."""
-        inner = model.model
-        dtype = inner.norm.weight.dtype
-        dt = dtype_code(dtype)
-        if dt is None:
+    def build(cls, plan: DecodePlan, ops: NativeCpuOps) -> LlamaDecodeProgram | None:
+        """The program for a model's plan (KV caches bound), or None when the kernels cannot
+        run it."""
+        dt = format_code(plan.dtype)
+        if dt is None or plan.num_heads // plan.num_kv_heads > MAX_QUERIES_PER_KV:
             return None
-        layers = list(inner.layers)
-        first = layers[0].self_attn
-        rope = inner.rotary_emb
-        keep: list[torch.Tensor] = []
-
-        def tensor(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
-            if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-                raise _Unsupported
-            keep.append(t)
-            return t.data_ptr()
-
-        def weight(module: torch.nn.Module) -> tuple[int, int]:
-            """(pointer, format code) of a linear layer's or embedding's weight."""
-            qweight = getattr(module, "qweight", None)
-            if qweight is None:
-                return tensor(module.weight) or 0, dt
-            native = qweight.native_weight
-            if native is None:
-                raise _Unsupported
-            fmt, data = native
-            if not data.is_contiguous() or (fmt <= 1 and data.dtype != dtype):
-                raise _Unsupported
-            keep.append(data)
-            return data.data_ptr(), fmt
-
+        if any(layer.kv_cache.dtype != plan.dtype for layer in plan.layers):
+            return None
+        binder = _Binder(plan.dtype)
         try:
-            structs = (_TvLayer * len(layers))()
-            for i, layer in enumerate(layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                if attn.attn.kv_cache is None or attn.attn.logits_soft_cap:
-                    raise _Unsupported
-                if attn.attn.kv_cache.dtype != dtype:
-                    raise _Unsupported
-                qkv, o = weight(attn.qkv_proj), weight(attn.o_proj)
-                gate_up, down = weight(mlp.gate_up_proj), weight(mlp.down_proj)
-                structs[i] = _TvLayer(
-                    tensor(layer.input_layernorm.weight),
-                    tensor(layer.post_attention_layernorm.weight),
-                    qkv[0],
-                    tensor(attn.qkv_proj.bias),
-                    o[0],
-                    tensor(attn.o_proj.bias),
-                    gate_up[0],
-                    tensor(mlp.gate_up_proj.bias),
-                    down[0],
-                    tensor(mlp.down_proj.bias),
-                    tensor(None if attn.q_norm is None else attn.q_norm.weight),
-                    tensor(None if attn.k_norm is None else attn.k_norm.weight),
-                    tensor(attn.attn.kv_cache),
-                    attn.attn.sliding_window or 0,
-                    qkv[1],
-                    o[1],
-                    gate_up[1],
-                    down[1],
-                )
-            kv = first.attn.kv_cache
-            assert kv is not None
-            norm_eps = {layer.input_layernorm.eps for layer in layers}
-            if len(norm_eps) != 1 or first.attn.num_heads // first.attn.num_kv_heads > 64:
-                raise _Unsupported
-            keep += [rope.cos_cache, rope.sin_cache]
-            embed_ptr, embed_fmt = weight(inner.embed_tokens)
-            desc = _TvModel(
-                dt,
-                ops.num_threads,
-                len(layers),
-                inner.norm.weight.shape[0],
-                first.attn.num_heads,
-                first.attn.num_kv_heads,
-                first.attn.head_dim,
-                rope.rotary_dim,
-                mlp.down_proj.input_size,
-                kv.shape[1],
-                kv.shape[2],
-                norm_eps.pop(),
-                first.attn.scale,
-                embed_ptr,
-                tensor(inner.norm.weight),
-                rope.cos_cache.data_ptr(),
-                rope.sin_cache.data_ptr(),
-                structs,
-                embed_fmt,
-            )
+            layers = (TvLayer * len(plan.layers))(*map(binder.layer, plan.layers))
+            model = binder.model(plan, dt, ops.num_threads, layers)
         except _Unsupported:
             return None
-        return cls(ops, desc, structs, keep)
+        return cls(ops, model, layers, binder.keep)
+
+    def _grow_workspace(self, rows: int) -> None:
+        """Room for steps of up to `rows` tokens (the program's one allocation)."""
+        size = int(self.ops.lib.tv_llama_workspace_bytes(ctypes.byref(self._model), rows))
+        self._workspace = torch.empty(size, dtype=torch.uint8)
+        self._workspace_rows = rows
+        self._model.workspace = self._workspace.data_ptr()
+        self._model.workspace_bytes = size
 
     def supports(self, num_tokens: int) -> bool:
         """Batches of up to `max_rows` tokens: decode, K + 1 verify, short prefill chunks
@@ -201,14 +165,17 @@ class LlamaDecodeProgram:
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of every scheduled token."""
         t = input_ids.shape[0]
+        if t > self._workspace_rows:
+            self._grow_workspace(t)
         out = torch.empty((t, self.hidden_size), dtype=self.dtype)
-        self._fn(
+        status = self._fn(
             ctypes.byref(self._model), t, query_start_loc.shape[0] - 1, input_ids.data_ptr(),
             positions.data_ptr(), slot_mapping.data_ptr(), query_start_loc.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), out.data_ptr(),
         )  # fmt: skip
+        if status != STATUS_OK:
+            what = "workspace too small" if status == STATUS_WORKSPACE_TOO_SMALL else "error"
+            raise RuntimeError(
+                f"tv_llama_decode failed with status {status} ({what}) on a {t}-token step"
+            )
         return out
-
-
-class _Unsupported(Exception):
-    pass

@@ -8,10 +8,11 @@ Each method takes and returns torch tensors and checks only what the kernels ass
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_float, c_int, c_int64, c_void_p
 
 import torch
 
+from tinyvllm.native.abi import DTYPE_CODES as _DTYPE_CODES
+from tinyvllm.native.abi import format_code as dtype_code
 from tinyvllm.native.build import load_library
 from tinyvllm.utils.cpu import native_threads
 
@@ -24,15 +25,10 @@ MAX_FP32_LINEAR_ROWS = 16
 # The element-wise kernels run on one thread: past a few dozen rows torch's vectorised,
 # multi-threaded ops are faster, and the dispatch overhead they save no longer matters.
 MAX_ELEMENTWISE_ROWS = 64
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def max_linear_rows(weight_dtype: torch.dtype) -> int:
     return MAX_FP32_LINEAR_ROWS if weight_dtype == torch.float32 else MAX_LINEAR_ROWS
-
-
-def dtype_code(dtype: torch.dtype) -> int | None:
-    return _DTYPE_CODES.get(dtype)
 
 
 def elementwise_rows_fit(x: torch.Tensor) -> bool:
@@ -51,40 +47,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeCpuOps:
-    """The loaded kernel library plus the thread count it runs with."""
+    """The loaded kernel library (its functions bound by `abi.bind`) plus the thread count it
+    runs with."""
 
     def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
         self.lib = lib
         self.num_threads = num_threads
-        lib.tv_linear.argtypes = [
-            c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_void_p,
-            c_int, c_int64, c_int64, c_int,
-        ]  # fmt: skip
-        lib.tv_rms_norm.argtypes = [
-            c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int64, c_int64, c_float,
-        ]  # fmt: skip
-        lib.tv_silu_mul.argtypes = [c_void_p, c_void_p, c_int, c_int64, c_int64]
-        lib.tv_head_norm.argtypes = [
-            c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int, c_int64, c_float,
-        ]  # fmt: skip
-        lib.tv_rope.argtypes = [
-            c_void_p, c_int64, c_int64, c_void_p, c_int64, c_int64, c_int, c_int64,
-            c_int64, c_int64, c_void_p, c_void_p, c_void_p,
-        ]  # fmt: skip
-        lib.tv_store_kv.argtypes = [
-            c_void_p, c_int64, c_void_p, c_int64, c_int64, c_int64, c_int,
-            c_void_p, c_void_p, c_void_p,
-        ]  # fmt: skip
-        lib.tv_paged_decode.argtypes = [
-            c_void_p, c_int64, c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
-            c_void_p,
-            c_int64, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float,
-            c_int64, c_float, c_int,
-        ]  # fmt: skip
-        for fn in ("tv_linear", "tv_rms_norm", "tv_silu_mul", "tv_head_norm", "tv_rope",
-                   "tv_store_kv"):  # fmt: skip
-            getattr(lib, fn).restype = None
-        lib.tv_paged_decode.restype = None
 
     @classmethod
     def load(cls, num_threads: int | None = None) -> NativeCpuOps | None:

@@ -9,32 +9,13 @@ for a GEMM; `embedding` dequantizes looked-up rows only.
 from __future__ import annotations
 
 import ctypes
-import functools
-from collections.abc import Mapping
-from ctypes import c_int, c_int64, c_void_p
-from types import MappingProxyType
 
 import torch
 
+from tinyvllm.native.abi import DTYPE_CODES as _DTYPE_FORMATS
+from tinyvllm.native.abi import FORMAT_BF16, FORMAT_F32
 from tinyvllm.native.build import load_library
 from tinyvllm.utils.cpu import native_threads
-
-# Weight format codes shared with quant_kernels.cpp (and the decode program's TvLayer).
-FORMAT_F32 = 0
-FORMAT_BF16 = 1
-FORMAT_Q4_0 = 2
-FORMAT_Q4_1 = 3
-FORMAT_Q8_0 = 4
-FORMAT_Q4_K = 5
-FORMAT_Q6_K = 6
-
-# ggml type id -> format code, for the block types the kernels read.
-GGUF_FORMATS: Mapping[int, int] = MappingProxyType(
-    {2: FORMAT_Q4_0, 3: FORMAT_Q4_1, 8: FORMAT_Q8_0, 12: FORMAT_Q4_K, 14: FORMAT_Q6_K}
-)
-_DTYPE_FORMATS: Mapping[torch.dtype, int] = MappingProxyType(
-    {torch.float32: FORMAT_F32, torch.bfloat16: FORMAT_BF16}
-)
 
 # Input rows up to which the GEMV (in passes of 8 rows) beats dequantize-then-GEMM: each pass
 # re-reads the blocks, while the dense path pays one dequantization of the matrix and then runs
@@ -47,11 +28,6 @@ GEMV_MAX_ROWS = 64
 DENSE_SLAB_ROWS = 256
 
 
-def format_code(dtype: torch.dtype) -> int | None:
-    """The format code of a dense weight in `dtype` (None: the kernels cannot read it)."""
-    return _DTYPE_FORMATS.get(dtype)
-
-
 class QuantKernels:
     """The loaded library's block kernels; calls run on `num_threads`, fixed when the library
     loads (at model load): decode steps lower torch's own count while they run, see
@@ -60,20 +36,12 @@ class QuantKernels:
     def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
         self.lib = lib
         self.num_threads = num_threads
-        linear_args = [
-            c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_void_p, c_int, c_int64,
-            c_int64, c_int,
-        ]  # fmt: skip
-        lib.tv_linear_any.argtypes = linear_args
-        lib.tv_linear_any.restype = None
-        lib.tv_dequant_rows.argtypes = [
-            c_void_p, c_int, c_int64, c_int64, c_int64, c_void_p, c_int,
-        ]  # fmt: skip
-        lib.tv_dequant_rows.restype = None
-        lib.tv_embedding_any.argtypes = [
-            c_void_p, c_int, c_void_p, c_int64, c_int64, c_void_p, c_int,
-        ]  # fmt: skip
-        lib.tv_embedding_any.restype = None
+
+    @classmethod
+    def load(cls, num_threads: int | None = None) -> QuantKernels | None:
+        """The block kernels of this machine's native library (None where it does not load)."""
+        lib = load_library()
+        return None if lib is None else cls(lib, num_threads or native_threads())
 
     def linear(
         self,
@@ -158,10 +126,3 @@ class QuantKernels:
         if bias is not None:
             out += bias.float()
         return out.to(x.dtype)
-
-
-@functools.cache
-def quant_kernels() -> QuantKernels | None:
-    """The block kernels of this machine's native library (None where it does not load)."""
-    lib = load_library()
-    return None if lib is None else QuantKernels(lib, native_threads())

@@ -19,8 +19,9 @@ from torch import nn
 from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
 from tinyvllm.gguf.dequant import qtype_name
 from tinyvllm.gguf.weight import GGUFWeight
+from tinyvllm.native.abi import GGUF_FORMATS, format_code
 from tinyvllm.native.ops import max_linear_rows
-from tinyvllm.native.quant_ops import GGUF_FORMATS, QuantKernels, format_code
+from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.quant import kernels
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.quantize import is_gguf_int4, quantize_int4_rows, quantize_int8_rows

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tinyvllm.gguf.weight import GGUFWeight
-from tinyvllm.native.quant_ops import QuantKernels, quant_kernels
+from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.formats import FORMATS, PackedWeight, Shard, WeightSpec
 
@@ -24,14 +24,22 @@ class QuantizedWeight(nn.Module):
     `packed` (a `PackedWeight`, None until every row has arrived) holds the tensors; this
     class only checks shapes and readiness and delegates. Device and model dtype are taken
     from the construction context (`with torch.device(...)`, default dtype), like a
-    parameter's.
+    parameter's. `kernels` are the native CPU block kernels the platform chose (None: torch
+    only); `bind_quant_kernels` hands them over after construction, before any row arrives.
     """
 
-    def __init__(self, in_features: int, out_features: int, config: QuantConfig) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        config: QuantConfig,
+        kernels: QuantKernels | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.config = config
+        self.kernels = kernels
         probe = torch.empty(0)
         self.device = probe.device
         self.model_dtype = probe.dtype
@@ -87,10 +95,10 @@ class QuantizedWeight(nn.Module):
 
     def _native_kernels(self) -> QuantKernels | None:
         # Only the formats that keep a file's values (GGUF blocks, exact floats) use the
-        # native kernels: int8 / int4 models never load (or build) the library for them.
+        # native kernels; int8 / int4 weights stay in torch's packed kernels.
         if self.device.type != "cpu" or not (self.config.method == "gguf" or self.config.exact):
             return None
-        return quant_kernels()
+        return self.kernels
 
     def _shard_on_device(self, shard: Shard) -> Shard:
         if isinstance(shard, GGUFWeight):
@@ -129,6 +137,17 @@ class QuantizedWeight(nn.Module):
     def extra_repr(self) -> str:
         pending = "" if self.ready else ", pending"
         return f"in={self.in_features}, out={self.out_features}{pending}"
+
+
+def bind_quant_kernels(model: nn.Module, kernels: QuantKernels | None) -> None:
+    """Give every quantized weight of `model` the native block kernels chosen for it (None:
+    torch only). Packing picks the storage format with them, so this runs before the weights
+    load; RuntimeError for a weight already packed."""
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedWeight):
+            if module.ready:
+                raise RuntimeError(f"{name}: kernels bound after the weight was packed")
+            module.kernels = kernels
 
 
 def finalize_quantized_weights(model: nn.Module) -> None:

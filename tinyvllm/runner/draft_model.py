@@ -10,13 +10,16 @@ before anything reads it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tinyvllm.attention.backend import AttentionBackend, AttentionMetadata
 from tinyvllm.runner.input_batch import InputBatch
 from tinyvllm.runner.states import RequestStates
+
+if TYPE_CHECKING:
+    from tinyvllm.native.quant_ops import QuantKernels
 
 
 def load_draft_model(
@@ -26,10 +29,12 @@ def load_draft_model(
     device: torch.device,
     max_model_len: int,
     quantization: str | None = None,
+    quant_kernels: QuantKernels | None = None,
 ) -> torch.nn.Module:
     """The draft checkpoint (local dir, hub id or .gguf), resolved and built like the target,
     with the engine's `quantization=` resolved against it as against the target; its vocabulary
-    must be the target's, or its token ids would mean other tokens."""
+    must be the target's, or its token ids would mean other tokens. `quant_kernels`: the
+    platform's native block kernels, as for the target."""
     from tinyvllm.models.checkpoint import resolve_checkpoint
     from tinyvllm.models.loader import load_model
     from tinyvllm.quant.config import resolve_quantization
@@ -46,7 +51,9 @@ def load_draft_model(
         quant_config = resolve_quantization(quantization, gguf_path)
     except ValueError as exc:
         raise ValueError(f"draft model {model!r}: {exc}") from None
-    return load_model(checkpoint.path, config, dtype, device, max_model_len, quant_config)
+    return load_model(
+        checkpoint.path, config, dtype, device, max_model_len, quant_config, quant_kernels
+    )
 
 
 class DraftModelProposer:

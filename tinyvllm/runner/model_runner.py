@@ -13,14 +13,12 @@ import logging
 
 import torch
 
-from tinyvllm.attention.backend import AttentionMetadata, get_attention_backend
-from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
+from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.loader import load_model, module_bytes
 from tinyvllm.models.registry import resolve_architecture
-from tinyvllm.native import NativeCpuOps, attach_native_ops
+from tinyvllm.platforms import DecodeProgram, Platform, select_platform
 from tinyvllm.runner.cuda_graphs import (
     CudaGraphDispatcher,
     CudaGraphRunner,
@@ -36,11 +34,7 @@ from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
 from tinyvllm.sample.sampler import Sampler
-from tinyvllm.utils.cpu import (
-    FP32_GEMM_MIN_ROWS,
-    has_native_bf16_matmul,
-    torch_intra_op_threads,
-)
+from tinyvllm.utils.cpu import torch_intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +51,28 @@ class ModelRunner:
         self.device = device
         mc = config.model
         self.block_size = config.cache.block_size
+        # Every device-specific kernel choice is made here, once (see tinyvllm/platforms/).
+        self.platform: Platform = select_platform(device, dtype, config.device.enforce_eager)
         self.model = load_model(
-            mc.model_path, mc.hf_config, dtype, device, mc.max_model_len, mc.quantization
+            mc.model_path,
+            mc.hf_config,
+            dtype,
+            device,
+            mc.max_model_len,
+            mc.quantization,
+            self.platform.quant_kernels,
         )
         self.weight_bytes = module_bytes(self.model)
         logger.info(
             "model weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20, mc.quantization
         )
-        self._add_cpu_gemm_weights(self.model)
+        self.platform.prepare_model(self.model)
         state_kind = resolve_architecture(mc.hf_config)[1].state_kind
         self.model_state: ModelState = model_state_class(state_kind)(
             self.model, config.scheduler.max_num_seqs, device
         )
         self.layers = self.model.attention_layers()
-        self.native = self._load_native_ops()
-        self.backend = get_attention_backend(device, config.device.attention_backend)
-        if self.native is not None and config.device.attention_backend is None:
-            self.backend = NativeCpuAttentionBackend(self.native)
+        self.backend = self.platform.attention_backend(config.device.attention_backend)
         self.draft: DraftModelProposer | None = None
         kv_layers = list(self.layers)
         spec = config.speculative
@@ -85,9 +84,9 @@ class ModelRunner:
                 device,
                 mc.max_model_len,
                 mc.requested_quantization,
+                self.platform.quant_kernels,
             )
-            self._add_cpu_gemm_weights(draft_model)
-            attach_native_ops(draft_model, self.native)
+            self.platform.prepare_model(draft_model)
             self.draft = DraftModelProposer(draft_model, self.block_size)
             # The draft's KV shares the target's blocks, so each block costs both.
             kv_layers += self.draft.attention_layers()
@@ -96,7 +95,7 @@ class ModelRunner:
         # Set by initialize_kv_cache, which must run before the first step.
         self.max_model_len = mc.max_model_len
         self.kv_caches: list[torch.Tensor] = []
-        self.decode_program = None
+        self.decode_program: DecodeProgram | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
         self.speculator: Speculator | None = None
         self.sampler = Sampler()
@@ -123,11 +122,9 @@ class ModelRunner:
             self.kv_layers, self.backend, size.num_blocks, self.block_size, self.dtype, self.device
         )
         # Built after the KV caches exist: the program points into them.
-        build_program = getattr(self.model, "native_decode_program", None)
-        if self.native is not None and build_program is not None:
-            self.decode_program = build_program(self.native)
+        self.decode_program = self.platform.decode_program(self.model)
         max_blocks_per_req = -(-max_model_len // self.block_size)
-        if self.device.type == "cuda" and not config.device.enforce_eager:
+        if self.platform.uses_cuda_graphs:
             self.cuda_graphs = self._capture_cuda_graphs(max_blocks_per_req)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
@@ -339,25 +336,6 @@ class ModelRunner:
         graphs = CudaGraphRunner(self.model, self.backend, dispatcher, buffers)
         graphs.capture_all()
         return graphs
-
-    def _load_native_ops(self) -> NativeCpuOps | None:
-        """The CPU counterpart of CUDA graphs: decode steps through native kernels that cut
-        per-op dispatch and read weights and paged KV in place (off with enforce_eager)."""
-        if self.device.type != "cpu" or self.config.device.enforce_eager:
-            return None
-        ops = NativeCpuOps.load()
-        if ops is not None:
-            attach_native_ops(self.model, ops)
-        return ops
-
-    def _add_cpu_gemm_weights(self, model: torch.nn.Module) -> None:
-        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        if cpu_bf16 and not has_native_bf16_matmul():
-            extra = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS)
-            logger.info(
-                "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs (+%.0f MiB)",
-                extra / 2**20,
-            )
 
     def _append_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         states = self.states

@@ -1,0 +1,153 @@
+"""The native library's ABI, declared once: every exported function's ctypes signature, the
+decode program's struct layouts, the dtype / weight format codes and status codes.
+
+The C++ sources (cpu_kernels.cpp, quant_kernels.cpp, llama_decode.cpp, thread_pool.cpp,
+common.h) are the other half of this table; `ABI_VERSION` equals `TV_ABI_VERSION` in common.h
+and is compiled into the library (`tv_abi_version()`), so a library built from other sources
+is caught at load (see build.py). Change both sides and bump both numbers together;
+tests/test_native_abi.py checks that the exports, the version and the struct fields agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from ctypes import POINTER, Structure, c_float, c_int, c_int64, c_void_p
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+ABI_VERSION = 2
+
+# Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
+# they double as the weight format codes of dense rows.
+FORMAT_F32 = 0
+FORMAT_BF16 = 1
+# GGUF block matrices kept exactly as the file stores them (quant_kernels.cpp).
+FORMAT_Q4_0 = 2
+FORMAT_Q4_1 = 3
+FORMAT_Q8_0 = 4
+FORMAT_Q4_K = 5
+FORMAT_Q6_K = 6
+
+DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(
+    {torch.float32: FORMAT_F32, torch.bfloat16: FORMAT_BF16}
+)
+# ggml type id -> format code, for the block types the kernels read.
+GGUF_FORMATS: Mapping[int, int] = MappingProxyType(
+    {2: FORMAT_Q4_0, 3: FORMAT_Q4_1, 8: FORMAT_Q8_0, 12: FORMAT_Q4_K, 14: FORMAT_Q6_K}
+)
+
+# Query heads per KV head up to which the native attention runs (NativeCpuAttentionBackend and
+# the decode program send larger groups elsewhere).
+MAX_QUERIES_PER_KV = 64
+
+# What the functions returning int report (llama_decode.cpp kOk / kErrWorkspace).
+STATUS_OK = 0
+STATUS_WORKSPACE_TOO_SMALL = 1
+
+
+class TvLayer(Structure):
+    """struct TvLayer (llama_decode.cpp): one decoder layer's tensors and weight formats."""
+
+    _fields_ = [
+        ("in_norm", c_void_p),
+        ("post_norm", c_void_p),
+        ("qkv_w", c_void_p),
+        ("qkv_b", c_void_p),
+        ("o_w", c_void_p),
+        ("o_b", c_void_p),
+        ("gate_up_w", c_void_p),
+        ("gate_up_b", c_void_p),
+        ("down_w", c_void_p),
+        ("down_b", c_void_p),
+        ("q_norm", c_void_p),
+        ("k_norm", c_void_p),
+        ("kv_cache", c_void_p),
+        ("window", c_int64),
+        ("qkv_fmt", c_int),
+        ("o_fmt", c_int),
+        ("gate_up_fmt", c_int),
+        ("down_fmt", c_int),
+    ]
+
+
+class TvModel(Structure):
+    """struct TvModel (llama_decode.cpp): the model's shapes, shared tensors, layers and the
+    per-step workspace the program owns."""
+
+    _fields_ = [
+        ("dt", c_int),
+        ("nthreads", c_int),
+        ("num_layers", c_int64),
+        ("hidden", c_int64),
+        ("hq", c_int64),
+        ("hkv", c_int64),
+        ("head_dim", c_int64),
+        ("rot", c_int64),
+        ("inter", c_int64),
+        ("num_blocks", c_int64),
+        ("block_size", c_int64),
+        ("eps", c_float),
+        ("scale", c_float),
+        ("embed", c_void_p),
+        ("final_norm", c_void_p),
+        ("cos_c", c_void_p),
+        ("sin_c", c_void_p),
+        ("layers", POINTER(TvLayer)),
+        ("embed_fmt", c_int),
+        ("workspace", c_void_p),
+        ("workspace_bytes", c_int64),
+    ]
+
+
+_P, _I, _L, _F = c_void_p, c_int, c_int64, c_float
+_LINEAR = (_P, _I, _P, _I, _P, _I, _P, _I, _L, _L, _I)
+
+# name -> (restype, argtypes), in the order of the C parameter lists.
+FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
+    {
+        # common.h / llama_decode.cpp
+        "tv_abi_version": (c_int, ()),
+        # cpu_kernels.cpp
+        "tv_linear": (None, _LINEAR),
+        "tv_rms_norm": (None, (_P, _P, _P, _P, _I, _L, _L, _F)),
+        "tv_silu_mul": (None, (_P, _P, _I, _L, _L)),
+        "tv_rope": (None, (_P, _L, _L, _P, _L, _L, _I, _L, _L, _L, _P, _P, _P)),
+        "tv_store_kv": (None, (_P, _L, _P, _L, _L, _L, _I, _P, _P, _P)),
+        "tv_paged_decode": (
+            None,
+            (_P, _L, _P, _I, _L, _P, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _F, _L, _F, _I),
+        ),
+        # quant_kernels.cpp
+        "tv_linear_blocks": (None, _LINEAR),
+        "tv_linear_any": (None, _LINEAR),
+        "tv_dequant_rows": (None, (_P, _I, _L, _L, _L, _P, _I)),
+        "tv_embedding_any": (None, (_P, _I, _P, _L, _L, _P, _I)),
+        # llama_decode.cpp
+        "tv_head_norm": (None, (_P, _L, _L, _L, _P, _I, _L, _F)),
+        "tv_llama_workspace_bytes": (c_int64, (POINTER(TvModel), _L)),
+        "tv_llama_decode": (c_int, (POINTER(TvModel), _L, _L, _P, _P, _P, _P, _P, _L, _P)),
+        # thread_pool.cpp
+        "tv_pool_stats": (None, (_P,)),
+    }
+)
+
+
+def missing_functions(lib: ctypes.CDLL) -> list[str]:
+    """The functions of `FUNCTIONS` that `lib` does not export."""
+    return [name for name in FUNCTIONS if not hasattr(lib, name)]
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Give every function of `lib` its declared signature (once, when the library loads)."""
+    for name, (restype, argtypes) in FUNCTIONS.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = list(argtypes)
+
+
+def format_code(dtype: torch.dtype) -> int | None:
+    """The code of `dtype` (None: the kernels cannot read it)."""
+    return DTYPE_CODES.get(dtype)

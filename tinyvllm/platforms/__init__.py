@@ -1,0 +1,33 @@
+"""Per-device kernel choices, made once: `select_platform` picks the `Platform` the runner
+builds and runs its models with (see interface.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.platforms.interface import DecodeProgram, Platform
+
+__all__ = ["CudaPlatform", "DecodeProgram", "Platform", "select_platform"]
+
+
+class CudaPlatform(Platform):
+    """CUDA: the attention backend's default (triton where it imports) and CUDA graphs."""
+
+    name = "cuda"
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return True
+
+
+def select_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool) -> Platform:
+    """The platform for `device`. `enforce_eager` keeps the plain PyTorch path: no CUDA
+    graphs, and on CPU no native library at all (torch ops only)."""
+    if device.type == "cpu":
+        from tinyvllm.native.ops import NativeCpuOps
+        from tinyvllm.platforms.cpu import CpuPlatform
+
+        return CpuPlatform(device, dtype, None if enforce_eager else NativeCpuOps.load())
+    if device.type == "cuda" and not enforce_eager:
+        return CudaPlatform(device, dtype)
+    return Platform(device, dtype)

@@ -1,0 +1,63 @@
+"""The CPU platform: the native kernels (tinyvllm/native/) where they load, and fp32 copies
+of GEMM weights where the CPU has no bf16 matmul."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tinyvllm.attention.backend import AttentionBackend
+from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
+from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
+from tinyvllm.native.llama_decode import LlamaDecodeProgram
+from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
+from tinyvllm.native.quant_ops import QuantKernels
+from tinyvllm.platforms.interface import DecodeProgram, Platform
+from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
+
+logger = logging.getLogger(__name__)
+
+
+class CpuPlatform(Platform):
+    """`native`: the loaded kernel library (None: torch ops only, as under enforce_eager or
+    where the library cannot build). With it, decode steps run through native kernels that
+    cut per-op dispatch and read weights and paged KV in place: the CPU counterpart of CUDA
+    graphs."""
+
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, native: NativeCpuOps | None
+    ) -> None:
+        super().__init__(device, dtype)
+        self.native = native
+        self.name = "cpu" if native is None else "cpu_native"
+        self._quant_kernels = (
+            None if native is None else QuantKernels(native.lib, native.num_threads)
+        )
+
+    @property
+    def quant_kernels(self) -> QuantKernels | None:
+        return self._quant_kernels
+
+    def prepare_model(self, model: nn.Module) -> None:
+        if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():
+            extra = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS)
+            logger.info(
+                "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs (+%.0f MiB)",
+                extra / 2**20,
+            )
+        if self.native is not None:
+            attach_native_ops(model, self.native)
+
+    def attention_backend(self, requested: str | None) -> AttentionBackend:
+        if self.native is not None and requested is None:
+            return NativeCpuAttentionBackend(self.native)
+        return super().attention_backend(requested)
+
+    def decode_program(self, model: nn.Module) -> DecodeProgram | None:
+        build_plan = getattr(model, "native_decode_plan", None)
+        if self.native is None or build_plan is None:
+            return None
+        plan = build_plan()
+        return None if plan is None else LlamaDecodeProgram.build(plan, self.native)

@@ -1,0 +1,68 @@
+"""What differs per device, chosen once when the runner starts (vLLM's `vllm/platforms/`).
+
+A `Platform` decides which kernels a model is built and run with: the quantized weights'
+block kernels, layer-level native ops, the attention backend, a whole-step program (the
+native decode program on CPU) and whether CUDA graphs are captured. The runner asks it once
+and never branches on the device or on `enforce_eager` itself. This base class is the plain
+PyTorch path: torch ops only, no native library loaded, no graphs (what `enforce_eager=True`
+gives on any device).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tinyvllm.attention.backend import AttentionBackend, get_attention_backend
+from tinyvllm.native.quant_ops import QuantKernels
+
+
+class DecodeProgram(Protocol):
+    """A whole model step as one call, for the batches it `supports`."""
+
+    def supports(self, num_tokens: int) -> bool: ...
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+class Platform:
+    """The plain PyTorch path on `device`; subclasses override what their device adds."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+
+    @property
+    def quant_kernels(self) -> QuantKernels | None:
+        """Native block kernels for quantized weights (handed to `load_model`); None keeps
+        GGUF blocks on torch's kernels."""
+        return None
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return False
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Give a loaded model (target or draft) what this platform runs it with."""
+
+    def attention_backend(self, requested: str | None) -> AttentionBackend:
+        """The backend for `requested` ("torch" | "triton", None: the device's default)."""
+        return get_attention_backend(self.device, requested)
+
+    def decode_program(self, model: nn.Module) -> DecodeProgram | None:
+        """A whole-step program for `model` (after its KV caches are bound), or None."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
