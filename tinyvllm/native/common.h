@@ -5,6 +5,8 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <type_traits>
@@ -28,6 +30,19 @@ void parallel_for(int64_t n, int nthreads, F&& f) {
   parallel_run(n, nthreads, [](void* c, int64_t i) { (*static_cast<Fn*>(c))(i); }, &f);
 }
 
+
+// Scratch memory for a kernel, 64-byte aligned (release with free). The kernels have no error
+// channel, so running out of memory stops the process with a message naming the size rather
+// than writing through a null pointer.
+inline void* checked_alloc(int64_t bytes) {
+  const size_t size = bytes > 0 ? static_cast<size_t>((bytes + 63) / 64 * 64) : 64;
+  void* p = aligned_alloc(64, size);
+  if (p == nullptr) {
+    fprintf(stderr, "tinyvllm native kernels: out of memory allocating %zu bytes\n", size);
+    abort();
+  }
+  return p;
+}
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
