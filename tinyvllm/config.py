@@ -51,7 +51,8 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "cpu"
     attention_backend: str | None = None
-    # No CUDA graphs on GPU, no native decode kernels on CPU: the plain PyTorch path.
+    # The plain PyTorch path: no CUDA graphs on GPU, no native library at all on CPU (see
+    # tinyvllm/platforms/).
     enforce_eager: bool = False
 
 

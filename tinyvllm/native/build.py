@@ -102,7 +102,7 @@ def build(target: Path) -> None:
 
 
 def exported_symbols() -> list[str]:
-    """The functions the Python side calls, as the sources define them."""
+    """The functions the sources export (abi.FUNCTIONS declares the same, tested)."""
     return sorted({name for src in SOURCES for name in _EXPORT.findall(src.read_text())})
 
 

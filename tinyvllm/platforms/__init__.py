@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from tinyvllm.platforms.interface import DecodeProgram, Platform
+from tinyvllm.platforms.interface import Platform
 
-__all__ = ["CudaPlatform", "DecodeProgram", "Platform", "select_platform"]
+__all__ = ["CudaPlatform", "Platform", "select_platform"]
 
 
 class CudaPlatform(Platform):

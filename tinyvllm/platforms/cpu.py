@@ -14,7 +14,7 @@ from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
-from tinyvllm.platforms.interface import DecodeProgram, Platform
+from tinyvllm.platforms.interface import Platform
 from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class CpuPlatform(Platform):
             return NativeCpuAttentionBackend(self.native)
         return super().attention_backend(requested)
 
-    def decode_program(self, model: nn.Module) -> DecodeProgram | None:
+    def decode_program(self, model: nn.Module) -> LlamaDecodeProgram | None:
         build_plan = getattr(model, "native_decode_plan", None)
         if self.native is None or build_plan is None:
             return None

@@ -10,7 +10,7 @@ gives on any device).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,20 +18,9 @@ from torch import nn
 from tinyvllm.attention.backend import AttentionBackend, get_attention_backend
 from tinyvllm.native.quant_ops import QuantKernels
 
-
-class DecodeProgram(Protocol):
-    """A whole model step as one call, for the batches it `supports`."""
-
-    def supports(self, num_tokens: int) -> bool: ...
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        block_table: torch.Tensor,
-    ) -> torch.Tensor: ...
+if TYPE_CHECKING:
+    # The one whole-step program today; a second one would share its supports / run.
+    from tinyvllm.native.llama_decode import LlamaDecodeProgram as DecodeProgram
 
 
 class Platform:

@@ -10,6 +10,7 @@ state that the registry's `state_kind` selects (`runner/model_states/`).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +19,7 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.loader import load_model, module_bytes
 from tinyvllm.models.registry import resolve_architecture
-from tinyvllm.platforms import DecodeProgram, Platform, select_platform
+from tinyvllm.platforms import Platform, select_platform
 from tinyvllm.runner.cuda_graphs import (
     CudaGraphDispatcher,
     CudaGraphRunner,
@@ -35,6 +36,9 @@ from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
 from tinyvllm.sample.sampler import Sampler
 from tinyvllm.utils.cpu import torch_intra_op_threads
+
+if TYPE_CHECKING:
+    from tinyvllm.native.llama_decode import LlamaDecodeProgram
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ class ModelRunner:
         # Set by initialize_kv_cache, which must run before the first step.
         self.max_model_len = mc.max_model_len
         self.kv_caches: list[torch.Tensor] = []
-        self.decode_program: DecodeProgram | None = None
+        self.decode_program: LlamaDecodeProgram | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
         self.speculator: Speculator | None = None
         self.sampler = Sampler()
