@@ -31,17 +31,25 @@ void parallel_for(int64_t n, int nthreads, F&& f) {
 }
 
 
-// Scratch memory for a kernel, 64-byte aligned (release with free). The kernels have no error
-// channel, so running out of memory stops the process with a message naming the size rather
-// than writing through a null pointer.
-inline void* checked_alloc(int64_t bytes) {
-  const size_t size = bytes > 0 ? static_cast<size_t>((bytes + 63) / 64 * 64) : 64;
-  void* p = aligned_alloc(64, size);
+// Scratch memory for a kernel (release with free): 64-byte aligned, or plain malloc where
+// alignment does not matter. The kernels have no error channel, so running out of memory stops
+// the process with a message naming the size rather than writing through a null pointer.
+inline void* checked(void* p, int64_t bytes) {
   if (p == nullptr) {
-    fprintf(stderr, "tinyvllm native kernels: out of memory allocating %zu bytes\n", size);
+    fprintf(stderr, "tinyvllm native kernels: out of memory allocating %lld bytes\n",
+            static_cast<long long>(bytes));
     abort();
   }
   return p;
+}
+
+inline void* checked_aligned_alloc(int64_t bytes) {
+  const int64_t size = bytes > 0 ? (bytes + 63) / 64 * 64 : 64;
+  return checked(aligned_alloc(64, static_cast<size_t>(size)), size);
+}
+
+inline void* checked_malloc(int64_t bytes) {
+  return checked(malloc(static_cast<size_t>(bytes > 0 ? bytes : 1)), bytes);
 }
 
 inline float bf16_to_f32(uint16_t h) {

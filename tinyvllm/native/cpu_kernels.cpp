@@ -148,7 +148,7 @@ inline void value_sum(const void* kv, int dt, const int64_t* off, int64_t first,
 }
 
 float* to_f32(const void* x, int64_t n, int dt) {
-  float* buf = static_cast<float*>(checked_alloc(n * 4));
+  float* buf = static_cast<float*>(checked_aligned_alloc(n * 4));
   for (int64_t i = 0; i < n; ++i) buf[i] = load(x, i, dt);
   return buf;
 }
@@ -191,7 +191,7 @@ void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bia
 // y = weight * to_dtype(r * rsqrt(mean(r^2) + eps)), statistics in fp32.
 void tv_rms_norm(const void* x, void* residual, const void* weight, void* out, int dt,
                  int64_t T, int64_t H, float eps) {
-  float* row = static_cast<float*>(checked_alloc(H * 4));
+  float* row = static_cast<float*>(checked_malloc(H * 4));
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < H; ++h) {
       float v = load(x, t * H + h, dt);
@@ -287,7 +287,7 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
     const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
     // Per position: the element offset of its K row; its V row is cache_half further on.
     int64_t* off = static_cast<int64_t*>(
-        checked_alloc(L * 8 + (L + 1) * group * 4 + head_dim * group * 8));
+        checked_malloc(L * 8 + (L + 1) * group * 4 + head_dim * group * 8));
     float* scores = reinterpret_cast<float*>(off + L);
     float* qf = scores + (L + 1) * group;
     float* acc = qf + head_dim * group;

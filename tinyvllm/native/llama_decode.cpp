@@ -84,7 +84,7 @@ int tv_abi_version(void) { return TV_ABI_VERSION; }
 
 // The workspace a B-token step needs (the caller allocates it once per program and grows it
 // when batches grow): the step's own buffers are never allocated per call; the kernels it
-// runs take small scratch through checked_alloc.
+// runs take small scratch through checked_malloc / checked_aligned_alloc (common.h).
 int64_t tv_llama_workspace_bytes(const TvModel* m, int64_t B) {
   return activation_bytes(m, B) + align64(sizeof(int64_t) * 2 * B) + align64(sizeof(int32_t) * B);
 }

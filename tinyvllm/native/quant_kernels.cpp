@@ -349,7 +349,7 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
   // (32-byte aligned: K is a multiple of 32).
   const int64_t tile_floats = kMaxRows * K + 8 * groups;
   const int64_t buf_bytes = ntiles * tile_floats * 4;
-  float* buf = static_cast<float*>(checked_alloc(buf_bytes));
+  float* buf = static_cast<float*>(checked_aligned_alloc(buf_bytes));
   for (int64_t t = 0; t < ntiles; ++t) {
     const int64_t m0 = t * kMaxRows;
     const int tile = static_cast<int>(M - m0 < kMaxRows ? M - m0 : kMaxRows);
@@ -420,7 +420,7 @@ void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, i
                       void* out, int out_dt) {
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
-  float* row = static_cast<float*>(checked_alloc(K * 4));
+  float* row = static_cast<float*>(checked_aligned_alloc(K * 4));
   for (int64_t t = 0; t < T; ++t) {
     if (w_fmt == kF32 || w_fmt == kBF16) {
       for (int64_t k = 0; k < K; ++k) row[k] = load(w, ids[t] * K + k, w_fmt);
