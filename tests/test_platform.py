@@ -104,3 +104,29 @@ def test_enforce_eager_gguf_blocks_stay_in_torch(
     assert weights and all(w.kernels is None for w in weights)
     assert {w.format for w in weights} <= {"int8", "int4", "float"}
     assert all(len(tokens) == 10 for tokens in _greedy(llm, PROMPTS))
+
+
+@native_only
+def test_the_model_hands_the_program_its_weight_plan(tiny_models) -> None:
+    """The decode program is built from `native_decode_plan()` (the model says what it can
+    express); the program refuses plans the kernels cannot run instead of reading modules."""
+    from dataclasses import replace
+
+    from tinyvllm.native.llama_decode import LlamaDecodeProgram
+
+    llm = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=128)
+    runner = llm.engine.runner
+    model, ops = runner.model, runner.platform.native
+    plan = model.native_decode_plan()
+    assert plan is not None and len(plan.layers) == len(model.model.layers)
+    assert plan.layers[0].q_norm is model.model.layers[0].self_attn.q_norm.weight
+    assert LlamaDecodeProgram.build(plan, ops) is not None
+    # What the kernels cannot read: a strided weight, a cache in another dtype.
+    layer = plan.layers[0]
+    strided = replace(layer, o=replace(layer.o, data=layer.o.data.t()))
+    assert LlamaDecodeProgram.build(replace(plan, layers=(strided,)), ops) is None
+    bf16_cache = replace(layer, kv_cache=layer.kv_cache.bfloat16())
+    assert LlamaDecodeProgram.build(replace(plan, layers=(bf16_cache,)), ops) is None
+    # What the model cannot express: attention logit soft-capping.
+    model.model.layers[1].self_attn.attn.logits_soft_cap = 30.0
+    assert model.native_decode_plan() is None
