@@ -3,8 +3,10 @@ and decode steps that keep torch's OpenMP workers out of the native workers' way
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -151,3 +153,26 @@ def test_native_decode_steps_keep_torch_single_threaded(tiny_models) -> None:
     # The 73-token first step is torch's (past the program's 16 fp32 rows): all its threads.
     assert seen[0] == (2, 2)
     assert seen[1:] and all(threads == 1 for _, threads in seen[1:]), seen
+
+
+def _omp_policy_after_import(env: dict[str, str], code: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run(
+        [sys.executable, "-c", code + "; import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_import_makes_torch_openmp_waits_passive_unless_the_user_chose() -> None:
+    """Spinning torch OpenMP workers starve the native pool under contention (batched
+    LLM.generate fell to 0.10x with one competing program): `import tinyvllm` before torch
+    asks for passive waits, but never overrides the user's choice or pretends after torch."""
+    assert _omp_policy_after_import({}, "import tinyvllm") == "PASSIVE"
+    assert _omp_policy_after_import({"OMP_WAIT_POLICY": "ACTIVE"}, "import tinyvllm") == "ACTIVE"
+    assert _omp_policy_after_import({"GOMP_SPINCOUNT": "1000"}, "import tinyvllm") == "None"
+    assert _omp_policy_after_import({}, "import torch, tinyvllm") == "None"

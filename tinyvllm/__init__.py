@@ -5,10 +5,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tinyvllm.config import EngineArgs
-from tinyvllm.llm import LLM
-from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
+from tinyvllm.utils.omp import prefer_passive_omp_waits
+
+# First, before anything imports torch: torch's OpenMP workers must not spin on the cores the
+# native kernels' thread pool needs (see utils/omp.py).
+prefer_passive_omp_waits()
+
+from tinyvllm.config import EngineArgs  # noqa: E402
+from tinyvllm.llm import LLM  # noqa: E402
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __all__ = [
     "LLM",
