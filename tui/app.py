@@ -139,10 +139,14 @@ class TinyVLLMApp(App[None]):
         self.engine_activity.publish(None)
 
     def on_response_finished(self, message: ResponseFinished) -> None:
+        # Also at the end: a panel that sampled before the engine took the request saw nothing
+        # moving and went to sleep; the finished request and its freed blocks must show.
+        self.engine_activity.publish(None)
         if message.stopped:
             self.log_event("answer stopped by the user")
 
     def on_response_failed(self, message: ResponseFailed) -> None:
+        self.engine_activity.publish(None)
         self.log_event(f"generation failed: {message.error}", "error")
 
     def on_stats_panel_sampled(self, message: StatsPanel.Sampled) -> None:
