@@ -127,3 +127,34 @@ def test_positions_come_from_the_model_state(llm: LLM) -> None:
         runner.model_state = default
     token = next(iter(expected[0]))
     assert got[0].get(token) is None or got[0][token].logprob != expected[0][token].logprob
+
+
+class FailingAddState(RecordingState):
+    """Refuses requests whose first prompt token is 99, after taking part of them."""
+
+    def add_request(self, row: int, new: NewRequestData) -> None:
+        super().add_request(row, new)
+        if new.prompt_token_ids[0] == 99:
+            raise ValueError("this state cannot hold that request")
+
+
+def test_a_model_state_that_refuses_a_request_fails_it_alone(llm: LLM) -> None:
+    prompts = [[11, 12, 13], [99, 12, 13]]
+    expected = _generate(llm, prompts[:1])[0].outputs[0].token_ids
+    llm.engine.step()
+    runner = llm.engine.runner
+    default = runner.model_state
+    failing = FailingAddState(default)
+    runner.model_state = failing
+    try:
+        good, bad = _generate(llm, prompts)
+        llm.engine.step()
+    finally:
+        runner.model_state = default
+    assert good.outputs[0].token_ids == expected
+    assert bad.outputs[0].finish_reason == "error"
+    # The refused request's row was handed back to the state as well as to the runner's rows.
+    added = dict((req_id, row) for kind, c in failing.calls if kind == "add" for row, req_id in [c])
+    removed = [c for kind, c in failing.calls if kind == "remove"]
+    assert sorted(removed) == sorted(added.values())
+    assert not runner.states.req_id_to_row

@@ -217,11 +217,14 @@ class ModelRunner:
         alone (request id -> why) instead of failing the whole step."""
         failed: dict[str, str] = {}
         for new in sched.scheduled_new_reqs:
+            row: int | None = None
             try:
                 row = self.states.add(new)
                 self.model_state.add_request(row, new)
             except Exception as exc:
                 self.states.remove(new.req_id)  # when add itself failed it took no row
+                if row is not None:  # the model state may hold part of it
+                    self.model_state.remove_request(row)
                 logger.warning("request %s cannot join the batch: %s", new.req_id, exc)
                 failed[new.req_id] = (
                     f"the request's values cannot be stored by the model runner: "

