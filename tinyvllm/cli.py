@@ -1,5 +1,5 @@
-"""Command line: `tinyvllm generate | check | chat | models | tui` (bench and serve come with
-later faces)."""
+"""Command line: `tinyvllm generate | check | chat | serve | models | tui` (bench comes with a
+later face)."""
 
 from __future__ import annotations
 
@@ -212,6 +212,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 130
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tinyvllm.server.cli import (
+        check_installed,
+        model_spec,
+        read_chat_template,
+        run_server,
+        serve_engine_kwargs,
+    )
+
+    check_installed()  # before a model load, as are the flag checks below
+    read_chat_template(args.chat_template)
+    engine_kwargs = {**_engine_kwargs(args), **serve_engine_kwargs(args)}
+    model, kwargs, label = resolve_cli_model(
+        model_spec(args), engine_kwargs, args.revision, args.gguf_file
+    )
+    return run_server(args, model, kwargs, label)
+
+
 def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
     """`tinyvllm tui`'s arguments, also those of `python -m tinyvllm_tui` (the TUI imports
     them from here: it sits above tinyvllm, never the other way round)."""
@@ -265,6 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     tui = sub.add_parser("tui", help="terminal UI: pick a model, chat, watch the engine")
     add_tui_arguments(tui)
     tui.set_defaults(func=cmd_tui)
+
+    from tinyvllm.server.cli import add_serve_arguments
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (needs the serve extra)",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /metrics, ...) on 127.0.0.1 unless --host says.",
+    )
+    _add_engine_args(serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the model catalog and what is on disk")
     models.add_argument("search", nargs="?", default="", help="only entries matching this text")
