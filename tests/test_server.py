@@ -108,6 +108,48 @@ def test_chat_stream_reassembles_to_the_whole_answer(client: Any) -> None:
     assert whole.usage.completion_tokens == 12
 
 
+def test_streamed_n_logprobs_and_usage(client: Any) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5}
+    whole = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2, **GREEDY)
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, logprobs=True, top_logprobs=2, stream=True, **GREEDY
+        )
+    )
+    streamed = [
+        t.token
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert streamed == [t.token for t in whole.choices[0].logprobs.content]
+    sampled = client.chat.completions.create(
+        **kwargs, n=2, temperature=1.0, seed=5, stream=True, extra_body={"ignore_eos": True}
+    )
+    texts, reasons = ["", ""], [None, None]
+    for chunk in sampled:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert reasons == ["length", "length"] and all(texts)
+    events = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["one", "two"],
+            max_tokens=3,
+            echo=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == 6
+    by_index = ["", ""]
+    for e in events[:-1]:
+        by_index[e.choices[0].index] += e.choices[0].text
+    assert by_index[0].startswith("one") and by_index[1].startswith("two")
+
+
 def test_max_completion_tokens_wins_over_max_tokens(client: Any) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_completion_tokens=3, **GREEDY
@@ -270,7 +312,7 @@ def _settle(engine: AsyncLLM) -> None:
     wait_engine_clean(engine.engine, timeout=10)
 
 
-def test_stream_disconnect_aborts_at_once(server: ServerThread, engine: AsyncLLM) -> None:
+def _check_stream_disconnect(url: str, engine: AsyncLLM, headers: dict[str, str]) -> None:
     max_tokens = MAX_MODEL_LEN - 10
     body = {
         "model": MODEL,
@@ -280,7 +322,9 @@ def test_stream_disconnect_aborts_at_once(server: ServerThread, engine: AsyncLLM
         "stream": True,
     }
     before = engine.get_stats()
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, headers=headers, timeout=30
+    ) as response:
         assert response.status_code == 200
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["choices"]
@@ -290,6 +334,15 @@ def test_stream_disconnect_aborts_at_once(server: ServerThread, engine: AsyncLLM
     assert after.num_finished_requests == before.num_finished_requests + 1
     # Aborted within a step or two of the hang-up, far from its max_tokens.
     assert after.total_generation_tokens - before.total_generation_tokens < max_tokens // 2
+
+
+def test_stream_disconnect_aborts_at_once(server: ServerThread, engine: AsyncLLM) -> None:
+    _check_stream_disconnect(server.url, engine, {})
+
+
+def test_stream_disconnect_aborts_behind_the_api_key(engine: AsyncLLM) -> None:
+    with ServerThread(build_app(_state(engine, api_key="k"))) as server:
+        _check_stream_disconnect(server.url, engine, {"Authorization": "Bearer k"})
 
 
 def test_whole_answer_disconnect_aborts(server: ServerThread, engine: AsyncLLM) -> None:

@@ -7,11 +7,11 @@ its own loop thread, so the app holds no second engine loop: each route just str
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tinyvllm
 from tinyvllm.server.chat import chat_prompt, create_chat_completion
@@ -36,21 +36,28 @@ _OPEN_PATHS = frozenset({"/health"})
 _CLIENT_CLOSED = 499
 
 
-def _auth_middleware(api_key: str) -> Callable[..., Awaitable[Response]]:
-    expected = f"Bearer {api_key}".encode()
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>`; plain ASGI rather than FastAPI's
+    @app.middleware("http"), which wraps every streamed chunk and the client's disconnect
+    message in extra tasks and queues."""
 
-    async def check_key(request: Request, call_next: Callable[..., Awaitable[Response]]) -> Any:
-        if request.url.path in _OPEN_PATHS or request.method == "OPTIONS":
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            what = "wrong API key" if given else "missing API key"
-            return error_response(
-                401, f"{what}: send the header `Authorization: Bearer <key>` with the server's key"
-            )
-        return await call_next(request)
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
 
-    return check_key
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        what = "wrong API key" if given else "missing API key"
+        response = error_response(
+            401, f"{what}: send the header `Authorization: Bearer <key>` with the server's key"
+        )
+        await response(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -58,7 +65,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     if state.api_key:
-        app.middleware("http")(_auth_middleware(state.api_key))
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
 
     @app.get("/health")
     async def health() -> Response:
