@@ -45,6 +45,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat-template", default=None, help="a Jinja chat template file (or the template)"
     )
+    p.add_argument(
+        "--runner",
+        choices=("auto", "generate", "pooling"),
+        default=None,
+        help="pooling: serve an embedding model on /v1/embeddings (default: auto, from the "
+        "checkpoint)",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -59,6 +66,7 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine arguments from the server-only flags the user gave."""
     kwargs: dict[str, Any] = {}
     for name in (
+        "runner",
         "tokenizer",
         "block_size",
         "max_num_seqs",

@@ -50,6 +50,7 @@ async def create_completion(
     state: ServerState, req: CompletionRequest, raw: Request
 ) -> CompletionResponse | StreamingResponse:
     state.check_model(req.model)
+    state.check_generative()
     params = completion_sampling(req, state.sampling_defaults)
     prompts = engine_prompts(req.prompt, "prompt")
     if not req.add_special_tokens:

@@ -27,7 +27,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 async def create_embedding(state: ServerState, req: EmbeddingRequest) -> EmbeddingResponse:
     state.check_model(req.model)
     embed = getattr(state.engine, "embed", None)
-    if embed is None:
+    if embed is None or not state.is_pooling:
         raise bad_request(
             f"the model `{state.model_name}` is not an embedding model: this server runs it "
             "for generation; start an embedding server with `tinyvllm serve MODEL "

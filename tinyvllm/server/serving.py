@@ -56,6 +56,21 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the engine runs a pooling (embedding) model rather than a generative one."""
+        return getattr(self.engine.engine, "runner_type", "generate") == "pooling"
+
+    def check_generative(self) -> None:
+        if self.is_pooling:
+            raise APIError(
+                400,
+                f"the model `{self.model_name}` is an embedding model (this server runs it "
+                "with --runner pooling): use /v1/embeddings, or start a server for a "
+                "generative model",
+                "model",
+            )
+
     def check_model(self, name: str | None) -> None:
         """404 for a model this server does not serve (None or "" means the default one)."""
         if name and name not in self.model_names:

@@ -1,0 +1,94 @@
+"""The server in front of a pooling engine, with a stand-in for the engine (the pooling runner
+is its own work): /v1/embeddings' shapes through the official client (which asks for base64
+by default and decodes it), batching, errors, and generation refused with a 400."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from server_helpers import ServerThread  # noqa: E402
+
+from tinyvllm.server.app import build_app  # noqa: E402
+from tinyvllm.server.serving import ServerState  # noqa: E402
+
+MAX_LEN = 16
+
+
+class FakePoolingEngine:
+    """Answers `embed` like AsyncLLM on a pooling model: one vector per prompt, derived from
+    its token ids (one id per character here), so every input gets a distinct answer."""
+
+    def __init__(self) -> None:
+        config = SimpleNamespace(model=SimpleNamespace(max_model_len=MAX_LEN, vocab_size=256))
+        self.engine = SimpleNamespace(runner_type="pooling", config=config)
+        self.calls: list[dict[str, Any]] = []
+        self.is_running = True
+
+    async def embed(self, prompt: Any, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else [ord(c) for c in prompt]
+        if len(ids) > MAX_LEN and kwargs["truncate_prompt_tokens"] is None:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than {MAX_LEN}")
+        vector = [float(len(ids)), float(sum(ids)), 0.5]
+        if kwargs["normalize"] is not False:
+            norm = math.sqrt(sum(v * v for v in vector))
+            vector = [v / norm for v in vector]
+        return SimpleNamespace(outputs=SimpleNamespace(embedding=vector), prompt_token_ids=ids)
+
+
+@pytest.fixture(scope="module")
+def fake() -> FakePoolingEngine:
+    return FakePoolingEngine()
+
+
+@pytest.fixture(scope="module")
+def client(fake: FakePoolingEngine) -> Iterator[Any]:
+    state = ServerState(engine=fake, model_names=["embedder"], model_path="fake")
+    with ServerThread(build_app(state)) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_embeddings_float_and_base64(client: Any, fake: FakePoolingEngine) -> None:
+    raw = client.embeddings.create(model="embedder", input=["ab", "xyz"], encoding_format="float")
+    # The client's default asks for base64 and decodes it.
+    decoded = client.embeddings.create(model="embedder", input=["ab", "xyz"])
+    assert [d.index for d in raw.data] == [0, 1]
+    for a, b in zip(raw.data, decoded.data, strict=True):
+        assert b.embedding == pytest.approx(a.embedding, rel=1e-6)
+    assert raw.data[0].embedding != raw.data[1].embedding
+    assert math.isclose(sum(v * v for v in raw.data[1].embedding), 1.0, rel_tol=1e-6)
+    assert raw.usage.prompt_tokens == raw.usage.total_tokens == 5
+
+
+def test_embedding_options_reach_the_engine(client: Any, fake: FakePoolingEngine) -> None:
+    out = client.embeddings.create(
+        model="embedder",
+        input=[1, 2, 3],
+        encoding_format="float",
+        extra_body={"normalize": False, "truncate_prompt_tokens": 8},
+    )
+    assert out.data[0].embedding == [3.0, 6.0, 0.5]
+    assert fake.calls[-1]["normalize"] is False and fake.calls[-1]["truncate_prompt_tokens"] == 8
+
+
+def test_embedding_errors_and_generation_refused(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="more than 16"):
+        client.embeddings.create(model="embedder", input="x" * 40)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model="embedder", input="x", dimensions=2)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="other", input="x")
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.completions.create(model="embedder", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.chat.completions.create(
+            model="embedder", messages=[{"role": "user", "content": "x"}]
+        )
