@@ -5,6 +5,7 @@ usage, n, stop strings, logprobs, tokenize, metrics, auth, error statuses, disco
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -228,9 +229,11 @@ def test_tokenize_detokenize_version_health(server: ServerThread, engine: AsyncL
 def test_metrics_exposition(client: Any, server: ServerThread, engine: AsyncLLM) -> None:
     client.completions.create(model=MODEL, prompt="x y z", max_tokens=3, **GREEDY)
     text = httpx.get(server.url + "/metrics").text
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-z_]+="[^"]*",?)*\})? \S+$')
     samples = {}
     for line in text.splitlines():
-        if line and not line.startswith("#"):
+        assert line.startswith(("# HELP ", "# TYPE ")) or sample.match(line), line
+        if not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     label = f'{{model_name="{MODEL}"}}'
@@ -286,6 +289,13 @@ def test_error_statuses(client: Any, server: ServerThread) -> None:
     assert bad_top_p.value.body["param"] == "top_p" and "top_p" in bad_top_p.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1)
+    with pytest.raises(openai.BadRequestError) as bad_top:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=21
+        )
+    assert bad_top.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=0)
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):

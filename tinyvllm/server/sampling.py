@@ -57,8 +57,6 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams (DELTA outputs); a bad value is a 400 naming its field."""
     _refuse_unsupported(req)
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise bad_request(f"at most {MAX_LOGPROBS} logprobs per token, got {logprobs}", "logprobs")
     values: dict[str, Any] = {name: getattr(req, name) for name in _PASSTHROUGH}
     for name in _MODEL_DEFAULTED:
         value = getattr(req, name)
@@ -83,7 +81,13 @@ def _field_named(message: str) -> str | None:
     return first if first.isidentifier() else None
 
 
+def _check_logprobs(value: int | None, name: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+
+
 def completion_sampling(req: CompletionRequest, defaults: dict[str, Any]) -> SamplingParams:
+    _check_logprobs(req.logprobs, "logprobs")
     if req.suffix is not None:
         raise bad_request("suffix is not supported by tinyvllm", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -102,12 +106,12 @@ def chat_sampling(req: ChatCompletionRequest, defaults: dict[str, Any]) -> Sampl
             "forced tool calls are not supported by tinyvllm; use tool_choice 'auto' or 'none'",
             "tool_choice",
         )
-    if req.top_logprobs is not None and not req.logprobs:
+    _check_logprobs(req.top_logprobs, "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    if max_tokens is None:
-        max_tokens = defaults.get("max_tokens")
+    # max_tokens is OpenAI's older name; None lets the answer run to the end of the context.
+    max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     return sampling_params(req, max_tokens, logprobs, defaults)
 
 
