@@ -214,6 +214,24 @@ def test_completion_logprobs(client: Any) -> None:
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
 
 
+def test_echo_token_ids_and_prompt_logprobs(client: Any, engine: AsyncLLM) -> None:
+    ids = engine.get_tokenizer().encode("The sea is wide")
+    out = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=2,
+        echo=True,
+        extra_body={"prompt_logprobs": 1, "ignore_eos": True},
+        temperature=0.0,
+    )
+    choice = out.choices[0]
+    assert choice.text.startswith(engine.get_tokenizer().decode(ids))
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+    for tok, entry in zip(ids[1:], prompt_logprobs[1:], strict=True):
+        assert str(tok) in entry and entry[str(tok)]["logprob"] <= 0
+
+
 def test_tokenize_detokenize_version_health(server: ServerThread, engine: AsyncLLM) -> None:
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "hello sea"}).json()
     assert ids["tokens"] == engine.get_tokenizer().encode("hello sea")

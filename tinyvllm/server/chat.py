@@ -26,7 +26,7 @@ from tinyvllm.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from tinyvllm.server.sampling import chat_logprobs, chat_sampling
+from tinyvllm.server.sampling import chat_logprobs, chat_sampling, prompt_logprobs_json
 from tinyvllm.server.serving import (
     ServerState,
     collect,
@@ -142,7 +142,11 @@ async def create_chat_completion(
         total_tokens=prompt_tokens + completion_tokens,
     )
     return ChatCompletionResponse(
-        id=request_id, model=state.model_name, choices=choices, usage=usage
+        id=request_id,
+        model=state.model_name,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=prompt_logprobs_json(last.prompt_logprobs),
     )
 
 

@@ -19,7 +19,11 @@ from tinyvllm.server.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from tinyvllm.server.sampling import completion_sampling, extend_completion_logprobs
+from tinyvllm.server.sampling import (
+    completion_sampling,
+    extend_completion_logprobs,
+    prompt_logprobs_json,
+)
 from tinyvllm.server.serving import (
     ServerState,
     collect,
@@ -68,7 +72,8 @@ async def create_completion(
     choices, usage = [], UsageInfo()
     for p_index, (last, parts) in enumerate(results):
         usage.prompt_tokens += len(last.prompt_token_ids)
-        prefix = _echo(req, last)
+        prefix = _echo(state, req, last)
+        prompt_logprobs = prompt_logprobs_json(last.prompt_logprobs)
         for i, part in enumerate(parts):
             usage.completion_tokens += len(part.token_ids)
             logprobs = None
@@ -84,16 +89,20 @@ async def create_completion(
                     logprobs=logprobs,
                     finish_reason=part.finish_reason,
                     stop_reason=part.stop_reason,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
 
 
-def _echo(req: CompletionRequest, out: RequestOutput) -> str:
+def _echo(state: ServerState, req: CompletionRequest, out: RequestOutput) -> str:
+    """The prompt's text when the request asks for it back (token ids are decoded)."""
     if not req.echo:
         return ""
-    return out.prompt if out.prompt is not None else ""
+    if out.prompt is not None:
+        return out.prompt
+    return state.tokenizer.decode(out.prompt_token_ids)
 
 
 async def _stream(
@@ -115,8 +124,8 @@ async def _stream(
         for c in out.outputs:
             index = p_index * n + c.index
             text = c.text
-            if req.echo and offsets[index] == 0 and out.prompt:
-                text = out.prompt + text
+            if req.echo and offsets[index] == 0:
+                text = _echo(state, req, out) + text
             logprobs = None
             if req.logprobs is not None:
                 logprobs = CompletionLogprobs()

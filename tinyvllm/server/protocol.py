@@ -157,12 +157,17 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt token None or {token_id: {logprob, rank, decoded_token}}.
+PromptLogprobs = list[dict[int, dict[str, Any]] | None] | None
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
 class CompletionResponse(_Response):
@@ -208,6 +213,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs = None
 
 
 class DeltaMessage(_Response):

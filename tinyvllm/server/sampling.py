@@ -121,6 +121,24 @@ def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
 
 
+def prompt_logprobs_json(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[int, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or
+    {token_id: {"logprob", "rank", "decoded_token"}}."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            tok: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tok, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
 def _text(token_id: int, lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
 
