@@ -373,13 +373,25 @@ def test_stream_disconnect_aborts_behind_the_api_key(engine: AsyncLLM) -> None:
         _check_stream_disconnect(server.url, engine, {"Authorization": "Bearer k"})
 
 
-def test_whole_answer_disconnect_aborts(server: ServerThread, engine: AsyncLLM) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_hang_up_before_the_first_token_aborts(
+    server: ServerThread, engine: AsyncLLM, stream: bool
+) -> None:
     max_tokens = MAX_MODEL_LEN - 5
-    body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     before = engine.get_stats()
-    _pause_engine(engine, 1.0)
+    _pause_engine(engine, 2.0)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
     _settle(engine)
+    # The hang-up cancelled the request while it was still queued for the paused engine
+    # thread: it never ran, rather than being aborted at its first token (or its last).
     after = engine.get_stats()
-    assert after.total_generation_tokens - before.total_generation_tokens < max_tokens // 2
+    assert after.total_generation_tokens == before.total_generation_tokens
+    assert after.num_finished_requests == before.num_finished_requests

@@ -118,7 +118,7 @@ async def create_chat_completion(
     stream = run_request(state, prompt, params, request_id)
     top = req.top_logprobs or 0
     if req.stream:
-        return await event_stream(_chunks(state, req, request_id, params, stream))
+        return await event_stream(_chunks(state, req, request_id, params, stream), raw)
     last, parts = await unless_disconnected(raw, collect(stream, params.n))
     choices = []
     for i, part in enumerate(parts):

@@ -63,7 +63,7 @@ async def create_completion(
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     streams = [run_request(state, p, params, rid) for p, rid in zip(prompts, ids, strict=True)]
     if req.stream:
-        return await event_stream(_stream(state, req, request_id, params, streams))
+        return await event_stream(_stream(state, req, request_id, params, streams), raw)
 
     async def run_all() -> list[Any]:
         return await asyncio.gather(*(collect(s, params.n) for s in streams))

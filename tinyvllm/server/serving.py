@@ -226,15 +226,16 @@ async def _sse_body(first: str, events: AsyncIterator[str]) -> AsyncIterator[str
     yield SSE_DONE
 
 
-async def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+async def event_stream(events: AsyncIterator[str], request: Request) -> StreamingResponse:
     """A server-sent-events response of `events`, then `data: [DONE]`.
 
     The first event is awaited before the response starts, so a request the engine refuses
     (e.g. a prompt longer than the context) still gets its 400; an error after that is sent
-    as an error event, and the stream still ends with [DONE].
+    as an error event, and the stream still ends with [DONE]. A client that hangs up while
+    waiting for that first event (a long queue) aborts its request then, not at the first token.
     """
     try:
-        first = await anext(events)
+        first = await unless_disconnected(request, anext(events))
     except StopAsyncIteration:
         first = ""
     except BaseException:
