@@ -316,6 +316,9 @@ def test_error_statuses(client: Any, server: ServerThread) -> None:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=0)
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match="only text parts"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [image]}])
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         client.embeddings.create(model=MODEL, input="hello")
     # A streaming request the engine refuses still gets its status before any event.

@@ -34,6 +34,11 @@ def engine(tiny_models: Any, one_torch_thread: None) -> Iterator[AsyncLLM]:
 async def _client_session(client: Any, index: int, rounds: int, max_tokens: int) -> list[int]:
     """One client: `rounds` streamed chats one after another; the tokens each one got."""
     counts = []
+    if index % 8 == 0:  # some clients send a bad request first: it must not affect the rest
+        with pytest.raises(openai.BadRequestError, match="max_model_len"):
+            await client.completions.create(model=MODEL, prompt=list(range(10, 300)))
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            await client.completions.create(model=MODEL, prompt="x", top_p=0)
     for r in range(rounds):
         stream = await client.chat.completions.create(
             model=MODEL,
