@@ -50,10 +50,30 @@ def fake() -> FakePoolingEngine:
 
 
 @pytest.fixture(scope="module")
-def client(fake: FakePoolingEngine) -> Iterator[Any]:
+def server(fake: FakePoolingEngine) -> Iterator[ServerThread]:
     state = ServerState(engine=fake, model_names=["embedder"], model_path="fake")
-    with ServerThread(build_app(state)) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with ServerThread(build_app(state)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> Any:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_health_follows_the_engine(server: ServerThread, fake: FakePoolingEngine) -> None:
+    import urllib.error
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/health") as ok:
+        assert ok.status == 200
+    fake.is_running = False
+    try:
+        with pytest.raises(urllib.error.HTTPError) as dead:
+            urllib.request.urlopen(server.url + "/health")
+        assert dead.value.code == 503
+    finally:
+        fake.is_running = True
 
 
 def test_embeddings_float_and_base64(client: Any, fake: FakePoolingEngine) -> None:

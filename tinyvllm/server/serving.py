@@ -139,8 +139,9 @@ async def run_request(
 
 
 def _reason(out: RequestOutput) -> str:
-    reasons = {c.finish_reason for c in out.outputs if c.finish_reason}
-    return "length" if reasons == {"length"} else (reasons - {"length"} or {"stop"}).pop()
+    """One finish reason per request for the metrics: "length" only if every choice ran out."""
+    reasons = sorted({c.finish_reason for c in out.outputs if c.finish_reason} - {"length"})
+    return reasons[0] if reasons else "length"
 
 
 async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
