@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tinyvllm.cli import build_parser, main
-from tinyvllm.server.cli import API_KEY_ENV, serve_engine_kwargs
+from tinyvllm.server.cli import API_KEY_ENV, api_key, serve_engine_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_SUCH_MODEL = "/nonexistent/model/dir"
@@ -66,6 +66,15 @@ def test_flags_become_engine_arguments() -> None:
     }
     defaults = build_parser().parse_args(["serve"])
     assert serve_engine_kwargs(defaults) == {}  # the engine's (and catalog's) defaults stand
+
+
+def test_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = build_parser().parse_args
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_key(parse(["serve"])) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert api_key(parse(["serve"])) == "from-env"
+    assert api_key(parse(["serve", "--api-key", "from-flag"])) == "from-flag"
 
 
 def _free_port() -> int:

@@ -113,6 +113,11 @@ def check_installed() -> None:
         ) from None
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $TINYVLLM_API_KEY; None (no key needed) when neither is set."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def model_spec(args: argparse.Namespace) -> str | None:
     """MODEL or --model (None: the catalog default)."""
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -141,7 +146,7 @@ def run_server(
             engine=engine,
             model_names=args.served_model_name or [model_spec(args) or label],
             model_path=model_path,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            api_key=api_key(args),
             chat_template=chat_template,
             sampling_defaults=model_sampling_defaults(model_path),
         )
