@@ -286,6 +286,15 @@ def test_api_key(engine: AsyncLLM) -> None:
         assert good.models.list().data[0].id == MODEL
 
 
+def test_server_chat_template(engine: AsyncLLM) -> None:
+    state = _state(engine)
+    state.chat_template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    with ServerThread(build_app(state)) as server:
+        body = {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}
+        out = httpx.post(server.url + "/tokenize", json=body).json()
+    assert out["tokens"] == engine.get_tokenizer().encode("<hi>", add_special_tokens=False)
+
+
 def _error(response: Any) -> dict[str, Any]:
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
