@@ -112,3 +112,46 @@ def test_embedding_errors_and_generation_refused(client: Any) -> None:
         client.chat.completions.create(
             model="embedder", messages=[{"role": "user", "content": "x"}]
         )
+
+
+def test_a_real_pooling_engine(tmp_path: Any, tokenizer_dir: Any, one_torch_thread: None) -> None:
+    """Once pooling models exist (AsyncLLM.embed): a tiny random BERT served for real gives the
+    embeddings `LLM.embed` gives, and its context limit is a 400."""
+    import shutil
+    from pathlib import Path
+
+    from tinyvllm import LLM
+    from tinyvllm.engine.async_llm import AsyncLLM
+
+    if not hasattr(AsyncLLM, "embed"):
+        pytest.skip("this tinyvllm has no pooling models yet (AsyncLLM.embed)")
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=2000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=48,
+    )
+    BertModel(config).float().eval().save_pretrained(tmp_path)
+    for path in Path(tokenizer_dir).iterdir():
+        if path.is_file():
+            shutil.copy(path, tmp_path / path.name)
+    texts = ["hello sea", "a b c d e f"]
+    reference = [out.outputs.embedding for out in LLM(str(tmp_path)).embed(texts)]
+    engine = AsyncLLM(str(tmp_path))
+    try:
+        state = ServerState(engine=engine, model_names=["bert"], model_path=str(tmp_path))
+        with ServerThread(build_app(state)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+            out = client.embeddings.create(model="bert", input=texts)
+            for got, want in zip(out.data, reference, strict=True):
+                assert got.embedding == pytest.approx(want, rel=1e-4, abs=1e-5)
+            with pytest.raises(openai.BadRequestError, match="48"):
+                client.embeddings.create(model="bert", input="x " * 100)
+            with pytest.raises(openai.BadRequestError, match="embedding model"):
+                client.completions.create(model="bert", prompt="x")
+    finally:
+        engine.shutdown()
