@@ -72,6 +72,9 @@ def test_models_lists_the_served_name(client: Any) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].max_model_len == MAX_MODEL_LEN
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
 
 
 def test_completion_text_and_usage(client: Any, engine: AsyncLLM) -> None:

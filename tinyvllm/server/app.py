@@ -77,14 +77,17 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": tinyvllm.__version__}
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=state.model_path, max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=state.model_path, max_model_len=state.max_model_len)
-                for name in state.model_names
-            ]
-        )
+        return ModelList(data=[card(name) for name in state.model_names])
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> ModelCard:
+        state.check_model(name)
+        return card(name)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, raw: Request) -> Any:
