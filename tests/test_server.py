@@ -355,11 +355,14 @@ def _settle(engine: AsyncLLM) -> None:
     wait_engine_clean(engine.engine, timeout=10)
 
 
-def _check_stream_disconnect(url: str, engine: AsyncLLM, headers: dict[str, str]) -> None:
+def _check_stream_disconnect(
+    url: str, engine: AsyncLLM, headers: dict[str, str], prompts: list[str] | None = None
+) -> None:
+    prompts = prompts or ["a long story"]
     max_tokens = MAX_MODEL_LEN - 10
     body = {
         "model": MODEL,
-        "prompt": "a long story",
+        "prompt": prompts,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
@@ -374,13 +377,20 @@ def _check_stream_disconnect(url: str, engine: AsyncLLM, headers: dict[str, str]
         _pause_engine(engine, 0.5)
     _settle(engine)
     after = engine.get_stats()
-    assert after.num_finished_requests == before.num_finished_requests + 1
-    # Aborted within a step or two of the hang-up, far from its max_tokens.
-    assert after.total_generation_tokens - before.total_generation_tokens < max_tokens // 2
+    assert after.num_finished_requests == before.num_finished_requests + len(prompts)
+    # Aborted within a step or two of the hang-up, far from their max_tokens.
+    generated = after.total_generation_tokens - before.total_generation_tokens
+    assert generated < len(prompts) * max_tokens // 2
 
 
 def test_stream_disconnect_aborts_at_once(server: ServerThread, engine: AsyncLLM) -> None:
     _check_stream_disconnect(server.url, engine, {})
+
+
+def test_batched_stream_disconnect_aborts_every_prompt(
+    server: ServerThread, engine: AsyncLLM
+) -> None:
+    _check_stream_disconnect(server.url, engine, {}, ["one story", "another story", "a third"])
 
 
 def test_stream_disconnect_aborts_behind_the_api_key(engine: AsyncLLM) -> None:

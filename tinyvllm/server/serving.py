@@ -157,8 +157,10 @@ async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
 
     async def pump(i: int, stream: AsyncIterator[T]) -> None:
         try:
-            async for item in stream:
-                await queue.put((i, item, None))
+            # Closed however the task ends, so a cancelled pump aborts its request.
+            async with contextlib.aclosing(stream) as it:  # type: ignore[type-var]
+                async for item in it:
+                    await queue.put((i, item, None))
             await queue.put((i, done_marker, None))
         except Exception as exc:
             await queue.put((i, None, exc))
