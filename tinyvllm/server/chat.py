@@ -110,8 +110,7 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[st
 async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, raw: Request
 ) -> ChatCompletionResponse | StreamingResponse:
-    state.check_model(req.model)
-    state.check_generative()
+    state.check_generative(req.model)
     params = chat_sampling(req, state.sampling_defaults)
     prompt = await chat_prompt(state, req)
     request_id = req.request_id or new_id("chatcmpl")

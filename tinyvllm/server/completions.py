@@ -53,8 +53,7 @@ async def _tokenized(state: ServerState, prompts: list[Any]) -> list[Any]:
 async def create_completion(
     state: ServerState, req: CompletionRequest, raw: Request
 ) -> CompletionResponse | StreamingResponse:
-    state.check_model(req.model)
-    state.check_generative()
+    state.check_generative(req.model)
     params = completion_sampling(req, state.sampling_defaults)
     prompts = engine_prompts(req.prompt, "prompt")
     if not req.add_special_tokens:

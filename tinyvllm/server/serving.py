@@ -61,7 +61,9 @@ class ServerState:
         """Whether the engine runs a pooling (embedding) model rather than a generative one."""
         return getattr(self.engine.engine, "runner_type", "generate") == "pooling"
 
-    def check_generative(self) -> None:
+    def check_generative(self, name: str | None) -> None:
+        """`check_model`, and a 400 when this server's model cannot generate."""
+        self.check_model(name)
         if self.is_pooling:
             raise APIError(
                 400,
