@@ -263,3 +263,41 @@ class RotaryEmbedding(nn.Module):
             f"rope_type={self.rope_type}, head_dim={self.head_dim}, "
             f"rotary_dim={self.rotary_dim}, max_position={self.max_position}"
         )
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rope (Qwen2-VL / Qwen2.5-VL): positions [3, T] (time, height, width), and
+    the rotary frequencies split into `mrope_section` parts, part i rotated by section i's
+    position. Text tokens carry the same position in all three sections, which is plain rope.
+    """
+
+    def __init__(self, rope: RopeConfig, max_position: int, mrope_section: list[int]) -> None:
+        super().__init__(rope, max_position)
+        if sum(mrope_section) != self.rotary_dim // 2 or len(mrope_section) != 3:
+            raise ValueError(
+                f"mrope_section={mrope_section} must be three parts summing to rotary_dim / 2 "
+                f"= {self.rotary_dim // 2}"
+            )
+        half = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        # Section of each of the rotary_dim columns of cos/sin (the halves repeat).
+        self.register_buffer(
+            "section_of_dim", torch.cat((half, half)).to(torch.get_default_device()),
+            persistent=False,
+        )  # fmt: skip
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] (or [T] for text); q, k as in RotaryEmbedding."""
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        cached = self._step_cache
+        if cached is not None and cached[0] is positions and cached[1].dtype == q.dtype:
+            cos, sin = cached[1], cached[2]
+        else:
+            cols = torch.arange(self.rotary_dim, device=positions.device)
+            rows = positions[self.section_of_dim].T  # [T, rotary_dim]: each column's position
+            cos = self.cos_cache[rows, cols].to(q.dtype).unsqueeze(1)
+            sin = self.sin_cache[rows, cols].to(q.dtype).unsqueeze(1)
+            self._step_cache = (positions, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
