@@ -10,34 +10,23 @@ follow the HF checkpoint: `model.*` (language model), `visual.*` (vision tower),
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from tinyvllm.attention.backend import AttentionMetadata
-from tinyvllm.models.layers.linear import default_weight_loader
 from tinyvllm.models.layers.rotary import MRotaryEmbedding, RopeConfig
 from tinyvllm.models.llama import FamilyOptions, LlamaForCausalLM, LlamaModel
+from tinyvllm.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
+from tinyvllm.models.weights import load_named_weights
 from tinyvllm.native.decode_plan import DecodePlan
 from tinyvllm.quant.config import QuantConfig
+from tinyvllm.quant.weight import finalize_quantized_weights
 
 # transformers v5 saves these prefixes; older checkpoints (the hub's) use the short ones.
 _PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
-
-
-def build_vision_tower(vision_config: Any) -> nn.Module:
-    """The Qwen2.5-VL vision transformer: `forward(pixel_values, grid_thw)` -> merged patch
-    embeddings [patches / merge_size**2, out_hidden_size]."""
-    try:
-        from tinyvllm.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
-    except ImportError:  # TEMPORARY stand-in until the own vision tower lands
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
-
-        return Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config)
-    return Qwen2_5_VisionTransformer(vision_config)
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):  # noqa: N801 - the HF name
@@ -58,7 +47,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):  # noqa: N801 - the 
         super().__init__(config, max_model_len, quant_config)
         # The vision tower stays in float weights whatever `quant_config` says (it is small
         # and runs once per image).
-        self.visual = build_vision_tower(vision)
+        self.visual = Qwen2_5_VisionTransformer(vision)
         self.spatial_merge_size: int = vision.spatial_merge_size
 
     def build_language_model(
@@ -98,34 +87,29 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):  # noqa: N801 - the 
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        visual = dict(self.visual.named_parameters())
-        pending = set(visual)
+        vision: list[tuple[str, Any]] = []
 
         def language_weights() -> Iterator[tuple[str, Any]]:
-            # Vision tensors are copied as they stream past; the rest goes to the LM loader
-            # (whose fused q/k/v and gate/up mapping must not touch the vision MLPs).
+            # The vision tensors are set aside as they stream past (the LM loader's fused
+            # q/k/v and gate/up mapping must not touch the vision MLPs) and loaded after.
             for name, tensor in weights:
                 name = _canonical_name(name)
-                if not name.startswith("visual."):
+                if name.startswith("visual."):
+                    vision.append((name.removeprefix("visual."), tensor))
+                else:
                     yield name, tensor
-                    continue
-                key = name.removeprefix("visual.")
-                param = visual.get(key)
-                if param is None:
-                    raise ValueError(
-                        f"unexpected tensor {name!r} in the checkpoint: the Qwen2.5-VL vision "
-                        "tower has no such parameter"
-                    )
-                with torch.no_grad():
-                    default_weight_loader(param, tensor)
-                pending.discard(key)
 
-        super().load_weights(language_weights())
-        if pending:
-            missing = sorted(f"visual.{n}" for n in pending)
-            raise ValueError(
-                f"the checkpoint is missing {len(missing)} vision tensor(s): {missing[:8]}"
-            )
+        language = nn.Module()  # a view holding only the language model's modules
+        language.model, language.lm_head = self.model, self.lm_head
+        load_named_weights(
+            language,
+            language_weights(),
+            stacked_params=self.stacked_params,
+            ignore=self._ignored_checkpoint_tensor,
+        )
+        self.visual.load_weights(vision)
+        self._check_norms_finite()
+        finalize_quantized_weights(self)
 
 
 def _canonical_name(name: str) -> str:
@@ -141,3 +125,68 @@ def _rope_table_len(config: Any, max_model_len: int) -> int:
     that step and 1: the table covers it."""
     step = max(1, int(getattr(config.vision_config, "tokens_per_second", 1)))
     return max_model_len * step
+
+
+@dataclass(frozen=True, eq=False)
+class MediaInput:
+    """One processed image or video: what a prompt's MultiModalFeature carries as `data`."""
+
+    modality: str  # "image" | "video"
+    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch**2], CPU
+    grid_thw: tuple[int, int, int]  # patch grid: temporal groups, height, width
+    # Seconds one temporal group spans (videos): M-RoPE time advances tokens_per_second
+    # per second.
+    second_per_grid_t: float = 1.0
+
+
+def media_grid(media: MediaInput, merge: int) -> tuple[int, int, int]:
+    """The merged-token grid (t, h, w) of one item: what the language model sees."""
+    t, h, w = media.grid_thw
+    return t, h // merge, w // merge
+
+
+def media_positions(
+    media: MediaInput, start: int, merge: int, tokens_per_second: float
+) -> torch.Tensor:
+    """M-RoPE positions [3, t * h * w] of all merged tokens of one item placed at `start`, in
+    raster (t, h, w) order: time advances tokens_per_second * second_per_grid_t per temporal
+    group for videos (0 for images), height and width by one per merged token."""
+    t, h, w = media_grid(media, merge)
+    interval = tokens_per_second * media.second_per_grid_t if media.modality == "video" else 0
+    tt = (torch.arange(t) * interval).long().view(-1, 1, 1).expand(t, h, w)
+    hh = torch.arange(h).view(1, -1, 1).expand(t, h, w)
+    ww = torch.arange(w).view(1, 1, -1).expand(t, h, w)
+    return torch.stack((tt, hh, ww)).reshape(3, -1) + start
+
+
+def prompt_mrope_positions(
+    num_prompt: int,
+    spans: list[tuple[int, int, MediaInput]],
+    merge: int,
+    tokens_per_second: float,
+) -> tuple[torch.Tensor, list[int], int]:
+    """M-RoPE positions [3, num_prompt] of a prompt whose media fill `spans` (offset, length,
+    item; in prompt order), the start position of each item, and the delta that positions
+    generated tokens (index + delta).
+
+    Text advances all three sections by one per token; an item occupies its grid, and the
+    text after it continues one past the item's largest position. An item with fewer tokens
+    than its grid (EVS) gets its grid's first positions here; the pruning state rewrites them
+    with the kept tokens' positions once the encoder has run. Text after it continues where
+    it would have without pruning."""
+    positions = torch.empty(3, num_prompt, dtype=torch.int64)
+    starts: list[int] = []
+    index = next_pos = 0
+    for offset, length, media in spans:
+        if offset > index:
+            positions[:, index:offset] = torch.arange(offset - index) + next_pos
+            next_pos += offset - index
+        grid = media_positions(media, next_pos, merge, tokens_per_second)
+        positions[:, offset : offset + length] = grid[:, :length]
+        starts.append(next_pos)
+        next_pos = int(grid.max()) + 1
+        index = offset + length
+    if num_prompt > index:
+        positions[:, index:] = torch.arange(num_prompt - index) + next_pos
+        next_pos += num_prompt - index
+    return positions, starts, next_pos - num_prompt

@@ -1,0 +1,188 @@
+"""MRopeModelState: Qwen-VL-style models (M-RoPE positions, a vision encoder whose outputs
+replace the placeholder tokens).
+
+Per request row it keeps the prompt's [3, P] M-RoPE positions (computed once, when the row
+is added) and the delta that positions generated tokens (index + delta in all three
+sections). Before each forward it runs the vision encoder for the media whose placeholder
+tokens the step schedules and merges their embeddings into the token embeddings.
+
+Encoder outputs are cached by the item's content hash, so an item whose tokens a chunked
+prefill splits across steps is encoded once (and two requests with the same picture share
+it); an entry is dropped once every request that needs it has computed the item's last token
+(or left its row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.core.outputs import NewRequestData
+from tinyvllm.models.qwen2_5_vl import MediaInput, media_positions, prompt_mrope_positions
+from tinyvllm.request import MultiModalFeature
+from tinyvllm.runner.input_batch import InputBatch
+from tinyvllm.runner.model_states.interface import ModelInputs, ModelState
+
+
+@dataclass
+class _Row:
+    features: list[MultiModalFeature]
+    positions: torch.Tensor  # [3, num_prompt] int64, CPU
+    starts: list[int]  # M-RoPE start position of each feature
+    delta: int  # generated token at index i has position i + delta
+
+
+@dataclass
+class _CacheEntry:
+    embeds: torch.Tensor  # [placeholder tokens, hidden] on the model's device
+    rows: set[int] = field(default_factory=set)  # rows that still need it
+
+
+class MRopeModelState(ModelState):
+    flat_positions: ClassVar[bool] = False
+
+    def __init__(self, model: nn.Module, max_num_reqs: int, device: torch.device) -> None:
+        super().__init__(model, max_num_reqs, device)
+        config: Any = model.config
+        self.merge: int = config.vision_config.spatial_merge_size
+        self.tokens_per_second: float = float(
+            getattr(config.vision_config, "tokens_per_second", 1) or 1
+        )
+        self.rows: dict[int, _Row] = {}
+        self.encoder_cache: dict[str, _CacheEntry] = {}
+        self.num_encoded = 0  # items run through the vision encoder (tests, stats)
+
+    # ---- per-request state -------------------------------------------------------------
+    def add_request(self, row: int, new: NewRequestData) -> None:
+        if not new.mm_features:
+            return  # text: positions are token indices in all three sections
+        spans = [(f.offset, f.length, f.data) for f in new.mm_features]
+        positions, starts, delta = prompt_mrope_positions(
+            len(new.prompt_token_ids), spans, self.merge, self.tokens_per_second
+        )
+        self.rows[row] = _Row(list(new.mm_features), positions, starts, delta)
+        for i, feature in enumerate(new.mm_features):
+            if feature.end > new.num_computed_tokens:  # not all in the prefix cache
+                entry = self.encoder_cache.get(feature.identifier)
+                if entry is not None:
+                    entry.rows.add(row)
+                    self.on_cached_item(row, i)
+
+    def remove_request(self, row: int) -> None:
+        state = self.rows.pop(row, None)
+        if state is None:
+            return
+        for feature in state.features:
+            self._release(feature.identifier, row)
+
+    # ---- inputs --------------------------------------------------------------------------
+    def model_inputs(self, batch: InputBatch) -> ModelInputs:
+        return ModelInputs(batch.input_ids, self._positions(batch), batch.attn_metadata)
+
+    def dummy_inputs(self, metadata: AttentionMetadata) -> ModelInputs:
+        positions = torch.arange(metadata.num_actual_tokens, device=self.device)
+        return ModelInputs(torch.zeros_like(positions), positions.expand(3, -1), metadata)
+
+    def _positions(self, batch: InputBatch) -> torch.Tensor:
+        """[3, T]: a prompt token's stored M-RoPE position, a generated token's index plus
+        the row's delta; text rows use the index itself."""
+        index = batch.positions.cpu()
+        out = index.expand(3, -1).clone()
+        qsl = batch.attn_metadata.query_start_loc_cpu
+        for i, row in enumerate(batch.rows.tolist()):
+            state = self.rows.get(row)
+            if state is None:
+                continue
+            start, end = qsl[i], qsl[i + 1]
+            seg = index[start:end]
+            in_prompt = seg < state.positions.shape[1]
+            block = seg.expand(3, -1) + state.delta
+            block[:, in_prompt] = state.positions[:, seg[in_prompt]]
+            out[:, start:end] = block
+        return out.to(self.device)
+
+    # ---- around the forward --------------------------------------------------------------
+    def pre_forward(self, batch: InputBatch, inputs: ModelInputs) -> None:
+        """Encode the media the step's tokens reach (once per item), then merge their
+        embeddings into the token embeddings at the scheduled positions."""
+        pieces: list[tuple[int, torch.Tensor]] = []  # (flat token index, embeddings)
+        done: list[tuple[str, int]] = []
+        rewritten = False
+        qsl = batch.attn_metadata.query_start_loc_cpu
+        index = batch.positions.cpu()
+        for i, row in enumerate(batch.rows.tolist()):
+            state = self.rows.get(row)
+            if state is None or qsl[i + 1] == qsl[i]:
+                continue
+            first, last = int(index[qsl[i]]), int(index[qsl[i + 1] - 1]) + 1
+            for feature in state.features:
+                lo, hi = max(first, feature.offset), min(last, feature.end)
+                if lo >= hi:
+                    continue
+                entry = self.encoder_cache.get(feature.identifier)
+                if entry is None:
+                    entry = self._encode(feature)
+                    self.encoder_cache[feature.identifier] = entry
+                    rewritten |= self._on_encoded(feature.identifier)
+                entry.rows.add(row)
+                emb = entry.embeds[lo - feature.offset : hi - feature.offset]
+                pieces.append((qsl[i] + lo - first, emb))
+                if hi == feature.end:
+                    done.append((feature.identifier, row))
+        if not pieces:
+            return
+        embeds = self.model.embed_input_ids(inputs.input_ids)  # type: ignore[operator]
+        for at, emb in pieces:
+            embeds[at : at + emb.shape[0]] = emb.to(embeds.dtype)
+        inputs.inputs_embeds = embeds
+        if rewritten:
+            inputs.positions = self._positions(batch)
+        for identifier, row in done:
+            self._release(identifier, row)
+
+    # ---- encoder cache ---------------------------------------------------------------------
+    def _encode(self, feature: MultiModalFeature) -> _CacheEntry:
+        media: MediaInput = feature.data
+        grid = torch.tensor([media.grid_thw], dtype=torch.int64)
+        embeds = self.model.embed_media(media.pixel_values, grid)  # type: ignore[operator]
+        self.num_encoded += 1
+        return _CacheEntry(self.select_tokens(feature, embeds))
+
+    def select_tokens(self, feature: MultiModalFeature, embeds: torch.Tensor) -> torch.Tensor:
+        """The encoder's tokens that fill the item's placeholders (all of them here; the
+        pruning state keeps a subset)."""
+        return embeds
+
+    def _on_encoded(self, identifier: str) -> bool:
+        """An item was encoded: let rows holding it update their positions; True when any
+        position changed."""
+        changed = False
+        for row, state in self.rows.items():
+            for k, feature in enumerate(state.features):
+                if feature.identifier == identifier:
+                    changed |= self.on_cached_item(row, k)
+        return changed
+
+    def on_cached_item(self, row: int, k: int) -> bool:
+        """Row `row`'s feature `k` now has encoder output; True when its positions changed
+        (nothing to do without pruning)."""
+        return False
+
+    def full_grid_positions(self, row: int, k: int) -> torch.Tensor:
+        """[3, t*h*w] positions of every merged token of the row's feature `k`, unpruned."""
+        state = self.rows[row]
+        return media_positions(
+            state.features[k].data, state.starts[k], self.merge, self.tokens_per_second
+        )
+
+    def _release(self, identifier: str, row: int) -> None:
+        entry = self.encoder_cache.get(identifier)
+        if entry is None:
+            return
+        entry.rows.discard(row)
+        if not entry.rows:
+            del self.encoder_cache[identifier]
