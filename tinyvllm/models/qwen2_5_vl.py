@@ -21,6 +21,7 @@ from tinyvllm.models.layers.rotary import MRotaryEmbedding, RopeConfig
 from tinyvllm.models.llama import FamilyOptions, LlamaForCausalLM, LlamaModel
 from tinyvllm.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 from tinyvllm.models.weights import load_named_weights
+from tinyvllm.multimodal.evs import video_mrope_positions
 from tinyvllm.native.decode_plan import DecodePlan
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import finalize_quantized_weights
@@ -139,24 +140,14 @@ class MediaInput:
     second_per_grid_t: float = 1.0
 
 
-def media_grid(media: MediaInput, merge: int) -> tuple[int, int, int]:
-    """The merged-token grid (t, h, w) of one item: what the language model sees."""
-    t, h, w = media.grid_thw
-    return t, h // merge, w // merge
-
-
 def media_positions(
     media: MediaInput, start: int, merge: int, tokens_per_second: float
 ) -> torch.Tensor:
     """M-RoPE positions [3, t * h * w] of all merged tokens of one item placed at `start`, in
     raster (t, h, w) order: time advances tokens_per_second * second_per_grid_t per temporal
     group for videos (0 for images), height and width by one per merged token."""
-    t, h, w = media_grid(media, merge)
     interval = tokens_per_second * media.second_per_grid_t if media.modality == "video" else 0
-    tt = (torch.arange(t) * interval).long().view(-1, 1, 1).expand(t, h, w)
-    hh = torch.arange(h).view(1, -1, 1).expand(t, h, w)
-    ww = torch.arange(w).view(1, 1, -1).expand(t, h, w)
-    return torch.stack((tt, hh, ww)).reshape(3, -1) + start
+    return video_mrope_positions(media.grid_thw, merge, interval) + start
 
 
 def prompt_mrope_positions(

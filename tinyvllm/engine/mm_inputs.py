@@ -1,0 +1,247 @@
+"""Multimodal prompts: `{"prompt": ..., "multi_modal_data": {"image": ..., "video": ...}}` ->
+expanded token ids plus one MultiModalFeature per item, sized before the model runs.
+
+Each `<|image_pad|>` / `<|video_pad|>` placeholder (one token, or a run already expanded to
+the item's size) becomes as many tokens as the item gives the language model: merged patches
+for an image, and for a video with EVS the retained count, which depends only on the grid
+and the rate. So the scheduler sees the final length from the start. Items are preprocessed
+here (tinyvllm.multimodal) and hashed by content: the hash is the prefix cache's extra key
+and the runner's encoder-cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyvllm.models.qwen2_5_vl import MediaInput
+from tinyvllm.multimodal.evs import retained_tokens_for_grid
+from tinyvllm.multimodal.qwen_vl_processing import (
+    QwenVLProcessorConfig,
+    process_images,
+    process_video,
+)
+from tinyvllm.request import MultiModalFeature
+
+_MODALITIES = ("image", "video")
+
+
+class MultiModalProcessor:
+    """Turns a prompt's media into placeholder spans for one model (Qwen2.5-VL style)."""
+
+    def __init__(
+        self, hf_config: Any, model_path: str, max_model_len: int, video_pruning_rate: float
+    ) -> None:
+        vision = getattr(hf_config, "vision_config", None)
+        self.enabled = vision is not None
+        self.max_model_len = max_model_len
+        self.pruning_rate = video_pruning_rate
+        if not self.enabled:
+            return
+        self.merge: int = vision.spatial_merge_size
+        self.tokens_per_second = float(getattr(vision, "tokens_per_second", 1) or 1)
+        self.token_ids = {
+            "image": int(hf_config.image_token_id),
+            "video": int(hf_config.video_token_id),
+        }
+        self.configs = {
+            "image": QwenVLProcessorConfig.from_model_dir(model_path),
+            "video": QwenVLProcessorConfig.from_model_dir(model_path, video=True),
+        }
+
+    def process(
+        self, prompt_ids: list[int], mm_data: Any
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """(expanded prompt ids, features in prompt order); ValueError naming what is wrong."""
+        items = self._items(mm_data)
+        runs = self._placeholder_runs(prompt_ids)
+        for modality in _MODALITIES:
+            found = sum(1 for _, _, m in runs if m == modality)
+            given = len(items[modality])
+            if found != given:
+                pad = "<|image_pad|>" if modality == "image" else "<|video_pad|>"
+                raise ValueError(
+                    f"the prompt has {found} {modality} placeholder(s) ({pad}) but "
+                    f"multi_modal_data gives {given} {modality}(s); put one "
+                    f"<|vision_start|>{pad}<|vision_end|> in the prompt per {modality}"
+                )
+        media: dict[str, list[MediaInput]] = {
+            m: [self._preprocess(m, item, i) for i, item in enumerate(items[m])]
+            for m in _MODALITIES
+        }
+        out: list[int] = []
+        features: list[MultiModalFeature] = []
+        counters = dict.fromkeys(_MODALITIES, 0)
+        index = 0
+        for start, end, modality in runs:
+            item = media[modality][counters[modality]]
+            counters[modality] += 1
+            size = self.num_tokens(item)
+            if end - start not in (1, size):
+                raise ValueError(
+                    f"{modality} {counters[modality] - 1} has a run of {end - start} "
+                    f"placeholder tokens; it needs one (expanded here) or exactly {size}"
+                )
+            out += prompt_ids[index:start]
+            features.append(
+                MultiModalFeature(modality, content_hash(item), len(out), size, item)
+            )
+            out += [self.token_ids[modality]] * size
+            index = end
+        out += prompt_ids[index:]
+        self._check_length(out, features)
+        return out, features
+
+    def check_text_prompt(self, prompt_ids: list[int]) -> None:
+        """A prompt without media must not hold placeholders (they would have no embeddings)."""
+        if self.enabled and self._placeholder_runs(prompt_ids):
+            raise ValueError(
+                "the prompt has image/video placeholder tokens but no multi_modal_data; pass "
+                "the media as {'prompt': ..., 'multi_modal_data': {'image': ...}}"
+            )
+
+    def num_tokens(self, item: MediaInput) -> int:
+        """Language-model tokens of one item: merged patches, and for a video with EVS the
+        retained count."""
+        if item.modality == "video" and self.pruning_rate > 0:
+            return retained_tokens_for_grid(item.grid_thw, self.merge, self.pruning_rate)
+        t, h, w = item.grid_thw
+        return t * (h // self.merge) * (w // self.merge)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _items(self, mm_data: Any) -> dict[str, list[Any]]:
+        if not isinstance(mm_data, Mapping):
+            raise TypeError(
+                f"multi_modal_data must be a dict like {{'image': ...}} or {{'video': ...}}, "
+                f"got {type(mm_data).__name__}"
+            )
+        unknown = sorted(set(mm_data) - set(_MODALITIES))
+        if unknown:
+            raise ValueError(
+                f"multi_modal_data has unknown key(s) {unknown}; supported: 'image', 'video'"
+            )
+        if not self.enabled:
+            kinds = " and ".join(sorted(mm_data))
+            raise ValueError(
+                f"this model is text-only: it cannot take the {kinds} in multi_modal_data; "
+                "use a vision-language model such as Qwen2.5-VL"
+            )
+        items: dict[str, list[Any]] = {}
+        for modality in _MODALITIES:
+            value = mm_data.get(modality)
+            if value is None:
+                items[modality] = []
+            elif modality == "image":
+                items[modality] = list(value) if isinstance(value, list | tuple) else [value]
+            else:
+                items[modality] = _video_items(value)
+        return items
+
+    def _placeholder_runs(self, prompt_ids: list[int]) -> list[tuple[int, int, str]]:
+        """(start, end, modality) of each maximal run of one placeholder token."""
+        if not self.enabled:
+            return []
+        kinds = {v: k for k, v in self.token_ids.items()}
+        runs: list[tuple[int, int, str]] = []
+        i = 0
+        while i < len(prompt_ids):
+            modality = kinds.get(prompt_ids[i])
+            if modality is None:
+                i += 1
+                continue
+            j = i
+            while j < len(prompt_ids) and prompt_ids[j] == prompt_ids[i]:
+                j += 1
+            runs.append((i, j, modality))
+            i = j
+        return runs
+
+    def _preprocess(self, modality: str, item: Any, index: int) -> MediaInput:
+        cfg = self.configs[modality]
+        if modality == "image":
+            if isinstance(item, str | Path):
+                item = _open_image(item)
+            pixels, grid = process_images([item], cfg)
+            return MediaInput("image", torch.from_numpy(pixels), _grid(grid[0]))
+        frames, fps = item
+        if isinstance(frames, str | Path):
+            from tinyvllm.multimodal.media import load_video
+
+            frames = load_video(str(frames))
+        try:
+            pixels, grid = process_video(frames, cfg)
+        except ValueError as exc:
+            raise ValueError(f"video {index}: {exc}") from None
+        second_per_grid_t = cfg.temporal_patch_size / fps if fps else 1.0
+        return MediaInput("video", torch.from_numpy(pixels), _grid(grid[0]), second_per_grid_t)
+
+    def _check_length(self, ids: list[int], features: list[MultiModalFeature]) -> None:
+        if len(ids) <= self.max_model_len:
+            return
+        videos = [f for f in features if f.modality == "video"]
+        if not videos:
+            return  # the engine's own length check names the numbers
+        longest = max(videos, key=lambda f: f.length)
+        room = self.max_model_len - (len(ids) - longest.length)
+        media: MediaInput = longest.data
+        tp = self.configs["video"].temporal_patch_size
+        fit = 0
+        for groups in range(media.grid_thw[0], 0, -1):
+            probe = MediaInput("video", media.pixel_values[:0], (groups, *media.grid_thw[1:]))
+            if self.num_tokens(probe) <= room:
+                fit = groups * tp
+                break
+        raise ValueError(
+            f"the prompt needs {len(ids)} tokens with its video of {media.grid_thw[0] * tp} "
+            f"frames ({longest.length} tokens), more than max_model_len={self.max_model_len}; "
+            f"at this size {fit} frames fit (use fewer or smaller frames, raise "
+            "max_model_len, or set video_pruning_rate)"
+        )
+
+
+def content_hash(item: MediaInput) -> str:
+    """What identifies an item's encoder output: modality, grid, timing and pixel values."""
+    h = hashlib.sha256(f"{item.modality}:{item.grid_thw}:{item.second_per_grid_t}".encode())
+    h.update(item.pixel_values.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _grid(row: Sequence[int]) -> tuple[int, int, int]:
+    t, h, w = (int(x) for x in row)
+    return t, h, w
+
+
+def _video_items(value: Any) -> list[tuple[Any, float | None]]:
+    """One video or a list of them -> [(frames, fps)]. A video is a (T, H, W, 3) array, a list
+    of frames (PIL images or (H, W, 3) arrays), a file path, or (any of those, {"fps": f})."""
+
+    def one(video: Any) -> tuple[Any, float | None]:
+        if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping):
+            return video[0], video[1].get("fps")
+        return video, None
+
+    if isinstance(value, list) and value and all(_is_whole_video(v) for v in value):
+        return [one(v) for v in value]
+    return [one(value)]
+
+
+def _is_whole_video(value: Any) -> bool:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
+        return True
+    return isinstance(value, str | Path) or (isinstance(value, np.ndarray) and value.ndim == 4)
+
+
+def _open_image(path: str | Path) -> Any:
+    from PIL import Image
+
+    try:
+        with Image.open(Path(path).expanduser()) as image:
+            image.load()
+            return image
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read image {str(path)!r}: {exc}") from None
