@@ -59,6 +59,11 @@ class MultiModalProcessor:
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """(expanded prompt ids, features in prompt order); ValueError naming what is wrong."""
         items = self._items(mm_data)
+        # Each item's own problems first: they are the more specific message.
+        media: dict[str, list[MediaInput]] = {
+            m: [self._preprocess(m, item, i) for i, item in enumerate(items[m])]
+            for m in _MODALITIES
+        }
         runs = self._placeholder_runs(prompt_ids)
         for modality in _MODALITIES:
             found = sum(1 for _, _, m in runs if m == modality)
@@ -70,10 +75,6 @@ class MultiModalProcessor:
                     f"multi_modal_data gives {given} {modality}(s); put one "
                     f"<|vision_start|>{pad}<|vision_end|> in the prompt per {modality}"
                 )
-        media: dict[str, list[MediaInput]] = {
-            m: [self._preprocess(m, item, i) for i, item in enumerate(items[m])]
-            for m in _MODALITIES
-        }
         out: list[int] = []
         features: list[MultiModalFeature] = []
         counters = dict.fromkeys(_MODALITIES, 0)
