@@ -128,3 +128,14 @@ def test_load_weights_reports_missing_and_unexpected() -> None:
     state = dict(hf.state_dict(), **{"blocks.0.attn.q_norm.weight": torch.ones(16)})
     with pytest.raises(ValueError, match="unexpected tensor"):
         Qwen2_5_VisionTransformer(config).load_weights(state.items())
+
+
+def test_rotary_stays_fp32_after_casting_the_model() -> None:
+    # bf16 inverse frequencies would shift far-apart patches' angles by whole radians.
+    model = Qwen2_5_VisionTransformer(_config())
+    positions = torch.tensor([[0, 1], [300, 700], [1023, 5]])
+    before = model.rotary_pos_emb(positions)
+    model.to(torch.bfloat16)
+    after = model.rotary_pos_emb(positions)
+    assert after[0].dtype == torch.float32
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

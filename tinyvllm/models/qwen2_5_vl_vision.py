@@ -141,16 +141,21 @@ class VisionRotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        half = head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.half = head_dim // 2
+        self.theta = theta
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N, 2] -> (cos, sin), each [N, head_dim] in float32."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
-        angles = freqs.flatten(1)  # [rows | columns]
+        # Computed per call (head_dim / 4 values) rather than kept as a buffer, which
+        # `model.to(torch.bfloat16)` would round.
+        exponents = torch.arange(0, self.half, 2, dtype=torch.float32, device=positions.device)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.half))
+        angles = (positions[..., None].float() * inv_freq).flatten(1)  # [rows | columns]
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={2 * self.half}, theta={self.theta}"
 
 
 class VisionAttention(nn.Module):

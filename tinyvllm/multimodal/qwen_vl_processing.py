@@ -159,11 +159,17 @@ def _resize(frame: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def _normalize(frames: np.ndarray, cfg: QwenVLProcessorConfig) -> np.ndarray:
-    """uint8 (..., H, W, 3) -> float32 (..., 3, H, W), rescaled then normalised."""
-    scaled = (frames.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    mean = np.asarray(cfg.mean, dtype=np.float32)
-    std = np.asarray(cfg.std, dtype=np.float32)
-    return np.moveaxis((scaled - mean) / std, -1, -3)
+    """uint8 (..., H, W, 3) -> float32 (..., 3, H, W), rescaled then normalised.
+
+    A uint8 channel has 256 levels, so each channel's output is a 256-entry table computed
+    with HF's exact arithmetic (rescale in float64, round to float32, then (x - mean) / std in
+    float32); a lookup then replaces per-pixel float64 work and its 8-byte-per-value peak.
+    """
+    levels = (np.arange(256, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
+    mean = np.asarray(cfg.mean, dtype=np.float32)[:, None]
+    std = np.asarray(cfg.std, dtype=np.float32)[:, None]
+    table = (levels[None, :] - mean) / std  # [channel, level]
+    return np.moveaxis(table[np.arange(3), frames], -1, -3)
 
 
 def _patchify(frames: np.ndarray, cfg: QwenVLProcessorConfig) -> tuple[np.ndarray, list[int]]:
