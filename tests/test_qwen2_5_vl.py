@@ -221,7 +221,9 @@ def evs_oracle(
     head, tail = tokenizer.encode(before), tokenizer.encode(after)
     pad = hf.config.video_token_id
     ids = torch.tensor(head + [pad] * int(mask.sum()) + tail)
-    tt, hh, ww = torch.meshgrid(torch.arange(t) * 2, torch.arange(h), torch.arange(w), indexing="ij")
+    tt, hh, ww = torch.meshgrid(
+        torch.arange(t) * 2, torch.arange(h), torch.arange(w), indexing="ij"
+    )
     grid_pos = torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + len(head)
     after_start = int(grid_pos.max()) + 1
     positions = torch.cat(
@@ -276,9 +278,13 @@ def test_evs_rate_zero_is_no_evs(vlm_dir: Path) -> None:
     assert type(zero.engine.runner.model_state).__name__ == "MRopeModelState"
     assert out.prompt_token_ids == plain.prompt_token_ids
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)] == [
-        lp[t].logprob for lp, t in zip(plain.outputs[0].logprobs, plain.outputs[0].token_ids)
-    ]
+    assert _chosen_logprobs(out) == _chosen_logprobs(plain)
+
+
+def _chosen_logprobs(out: Any) -> list[float]:
+    completion = out.outputs[0]
+    pairs = zip(completion.logprobs, completion.token_ids, strict=True)
+    return [lp[t].logprob for lp, t in pairs]
 
 
 # ---- bad input ------------------------------------------------------------------------
@@ -315,7 +321,8 @@ def test_more_placeholders_than_items(vlm: LLM) -> None:
 
 
 def test_video_longer_than_context_says_how_many_frames_fit(vlm: LLM) -> None:
-    long_clip = np.repeat(CLIP, 4, axis=0)  # 32 frames: 16 groups * 14 = 224 tokens; 120 left = 8 groups
+    # 32 frames: 16 groups of 14 tokens = 224; 120 left beside the text = 8 groups.
+    long_clip = np.repeat(CLIP, 4, axis=0)
     with pytest.raises(ValueError, match=r"max_model_len=128; at this size 16 frames fit"):
         vlm.generate(video_request(long_clip), use_tqdm=False)
 

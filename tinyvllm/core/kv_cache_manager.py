@@ -75,9 +75,7 @@ class KVCacheManager:
             for i in range(len(hashes), num_full):
                 start = i * self.block_size
                 end = start + self.block_size
-                parent = hash_block(
-                    parent, tokens[start:end], _media_keys(request, start, end)
-                )
+                parent = hash_block(parent, tokens[start:end], _media_keys(request, start, end))
                 hashes.append(parent)
         return hashes[:num_full]
 

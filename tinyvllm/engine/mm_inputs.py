@@ -21,6 +21,7 @@ import torch
 
 from tinyvllm.models.qwen2_5_vl import MediaInput
 from tinyvllm.multimodal.evs import retained_tokens_for_grid
+from tinyvllm.multimodal.media import decode_video, load_image
 from tinyvllm.multimodal.qwen_vl_processing import (
     QwenVLProcessorConfig,
     process_images,
@@ -89,9 +90,7 @@ class MultiModalProcessor:
                     f"placeholder tokens; it needs one (expanded here) or exactly {size}"
                 )
             out += prompt_ids[index:start]
-            features.append(
-                MultiModalFeature(modality, content_hash(item), len(out), size, item)
-            )
+            features.append(MultiModalFeature(modality, content_hash(item), len(out), size, item))
             out += [self.token_ids[modality]] * size
             index = end
         out += prompt_ids[index:]
@@ -165,15 +164,14 @@ class MultiModalProcessor:
     def _preprocess(self, modality: str, item: Any, index: int) -> MediaInput:
         cfg = self.configs[modality]
         if modality == "image":
-            if isinstance(item, str | Path):
-                item = _open_image(item)
+            if isinstance(item, str | Path | bytes):
+                item = load_image(item)
             pixels, grid = process_images([item], cfg)
             return MediaInput("image", torch.from_numpy(pixels), _grid(grid[0]))
         frames, fps = item
-        if isinstance(frames, str | Path):
-            from tinyvllm.multimodal.media import load_video
-
-            frames = load_video(str(frames))
+        if isinstance(frames, str | Path | bytes):
+            clip = decode_video(frames)
+            frames, fps = clip.frames, fps or clip.fps
         try:
             pixels, grid = process_video(frames, cfg)
         except ValueError as exc:
@@ -219,7 +217,8 @@ def _grid(row: Sequence[int]) -> tuple[int, int, int]:
 
 def _video_items(value: Any) -> list[tuple[Any, float | None]]:
     """One video or a list of them -> [(frames, fps)]. A video is a (T, H, W, 3) array, a list
-    of frames (PIL images or (H, W, 3) arrays), a file path, or (any of those, {"fps": f})."""
+    of frames (PIL images or (H, W, 3) arrays), a file (path, file:// URL, bytes), or (any of
+    those, {"fps": f})."""
 
     def one(video: Any) -> tuple[Any, float | None]:
         if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping):
@@ -234,15 +233,6 @@ def _video_items(value: Any) -> list[tuple[Any, float | None]]:
 def _is_whole_video(value: Any) -> bool:
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
         return True
-    return isinstance(value, str | Path) or (isinstance(value, np.ndarray) and value.ndim == 4)
-
-
-def _open_image(path: str | Path) -> Any:
-    from PIL import Image
-
-    try:
-        with Image.open(Path(path).expanduser()) as image:
-            image.load()
-            return image
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read image {str(path)!r}: {exc}") from None
+    return isinstance(value, str | Path | bytes) or (
+        isinstance(value, np.ndarray) and value.ndim == 4
+    )

@@ -30,7 +30,7 @@ from tinyvllm.quant.weight import finalize_quantized_weights
 _PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
-class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):  # noqa: N801 - the HF name
+class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     options: ClassVar[FamilyOptions] = FamilyOptions(qkv_bias=True, o_proj_bias=False)
 
     def __init__(
