@@ -337,3 +337,59 @@ def test_image_to_text_only_model(tiny_models: Any) -> None:
     llm = LLM(str(tiny_models["qwen2"]), dtype="float32", max_model_len=128, enforce_eager=True)
     with pytest.raises(ValueError, match="text-only: it cannot take the image"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": IMAGE}}, use_tqdm=False)
+
+
+# ---- chat ------------------------------------------------------------------------------
+
+
+def test_chat_content_parts_match_generate(vlm_dir: Path, tmp_path: Path) -> None:
+    """image_url with a file:// URL or a path, video as in-memory frames: the same tokens as
+    generate() with the placeholders written out."""
+    from PIL import Image
+
+    llm = make_llm(vlm_dir)
+    png = tmp_path / "picture.png"
+    Image.fromarray(IMAGE).save(png)
+    content = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": png.as_uri()}},
+        {"type": "text", "text": " with "},
+        {"type": "video", "video": CLIP},
+    ]
+    chat = llm.chat([{"role": "user", "content": content}], greedy(), use_tqdm=False)[0]
+    text = (
+        "<|im_start|>user\nCompare <|vision_start|><|image_pad|><|vision_end|> with "
+        "<|vision_start|><|video_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+    )
+    data = {"image": [str(png)], "video": [CLIP]}
+    ref = llm.generate({"prompt": text, "multi_modal_data": data}, greedy(), use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ref.prompt_token_ids
+    assert chat.outputs[0].token_ids == ref.outputs[0].token_ids
+    with pytest.raises(ValueError, match="unknown content part type 'audio_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "audio_url"}]}], use_tqdm=False)
+
+
+def test_chat_session_keeps_media_with_the_turn(vlm_dir: Path) -> None:
+    import asyncio
+
+    from tinyvllm.chat import ChatSession
+    from tinyvllm.engine.async_llm import AsyncLLM
+
+    llm = make_llm(vlm_dir)
+    parts = [{"type": "image", "image": IMAGE}, {"type": "text", "text": "what is it"}]
+    reference = llm.chat([{"role": "user", "content": parts}], greedy(), use_tqdm=False)[0]
+    engine = AsyncLLM(llm.engine)
+    try:
+        session = ChatSession(engine, greedy())
+
+        async def send(content: Any) -> str:
+            return "".join([d async for d in session.send(content)])
+
+        assert asyncio.run(send(parts)) == reference.outputs[0].text
+        # The second turn's prompt still holds the first turn's image.
+        asyncio.run(send("and again"))
+        assert session.last_turn is not None
+        assert session.last_turn.prompt_tokens > len(reference.prompt_token_ids)
+        assert session.messages[0]["media"] == {"image": [IMAGE]}
+    finally:
+        engine.shutdown(timeout=30)

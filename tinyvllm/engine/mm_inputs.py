@@ -233,6 +233,6 @@ def _video_items(value: Any) -> list[tuple[Any, float | None]]:
 def _is_whole_video(value: Any) -> bool:
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping):
         return True
-    return isinstance(value, str | Path | bytes) or (
-        isinstance(value, np.ndarray) and value.ndim == 4
-    )
+    if isinstance(value, str | Path | bytes | list):  # a file, or one video's list of frames
+        return True
+    return isinstance(value, np.ndarray) and value.ndim == 4
