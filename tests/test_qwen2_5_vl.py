@@ -393,3 +393,52 @@ def test_chat_session_keeps_media_with_the_turn(vlm_dir: Path) -> None:
         assert session.messages[0]["media"] == {"image": [IMAGE]}
     finally:
         engine.shutdown(timeout=30)
+
+
+# ---- faces -----------------------------------------------------------------------------
+
+
+def test_cli_generate_with_image(vlm_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    from PIL import Image
+
+    from tinyvllm.cli import main
+
+    png = tmp_path / "picture.png"
+    Image.fromarray(IMAGE).save(png)
+    argv = ["generate", "-m", str(vlm_dir), "--dtype", "float32", "--max-model-len", "256"]
+    assert main([*argv, "--max-tokens", "6", "--image", str(png), " describe it"]) == 0
+    printed = capsys.readouterr().out.strip()
+    llm = make_llm(vlm_dir, max_model_len=256)
+    prompt = "<|vision_start|><|image_pad|><|vision_end|> describe it"
+    ref = llm.generate({"prompt": prompt, "multi_modal_data": {"image": IMAGE}}, greedy())
+    assert printed == ref[0].outputs[0].text.strip()
+
+
+def test_repl_image_command_attaches_to_next_message(vlm_dir: Path, tmp_path: Path) -> None:
+    import io
+
+    from PIL import Image
+
+    from tinyvllm.chat import ChatSession
+    from tinyvllm.chat.repl import Repl
+    from tinyvllm.engine.async_llm import AsyncLLM
+
+    png = tmp_path / "picture.png"
+    Image.fromarray(IMAGE).save(png)
+    llm = make_llm(vlm_dir)
+    parts = [{"type": "image", "image": IMAGE}, {"type": "text", "text": "what is it"}]
+    reference = llm.chat([{"role": "user", "content": parts}], greedy(), use_tqdm=False)[0]
+    engine = AsyncLLM(llm.engine)
+    out, err = io.StringIO(), io.StringIO()
+    repl = Repl(ChatSession(engine, greedy()), out=out, err=err)
+    try:
+        repl.handle("/image /no/such/file.png")
+        assert "no such file" in err.getvalue()
+        repl.handle(f"/image {png}")
+        assert "attached to the next message" in err.getvalue()
+        repl.handle("what is it")
+        assert out.getvalue().strip() == reference.outputs[0].text.strip()
+        assert repl.attached == []
+    finally:
+        repl.close()
+        engine.shutdown(timeout=30)
