@@ -59,7 +59,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         section = list(rope.params.get("mrope_section") or ())
         if not section:
             raise ValueError("text_config.rope_parameters has no mrope_section (Qwen2.5-VL)")
-        rotary = MRotaryEmbedding(rope, _rope_table_len(config, max_model_len), section)
+        rotary = MRotaryEmbedding(rope, section)
         return LlamaModel(text, max_model_len, self.options, quant_config, rotary_emb=rotary)
 
     def forward(
@@ -118,14 +118,6 @@ def _canonical_name(name: str) -> str:
         if name.startswith(long):
             return short + name.removeprefix(long)
     return name
-
-
-def _rope_table_len(config: Any, max_model_len: int) -> int:
-    """M-RoPE positions of a video can run past the token count (time advances by
-    tokens_per_second per frame group), but never past max_model_len times the larger of
-    that step and 1: the table covers it."""
-    step = max(1, int(getattr(config.vision_config, "tokens_per_second", 1)))
-    return max_model_len * step
 
 
 @dataclass(frozen=True, eq=False)
