@@ -116,6 +116,10 @@ def test_bad_inputs_name_the_problem() -> None:
         ours(pixels[:, :100], grid_thw)
     with pytest.raises(ValueError, match="multiples of spatial_merge_size=2"):
         ours(torch.zeros(15, 1176), torch.tensor([[1, 3, 5]]))
+    with pytest.raises(ValueError, match=r"grid_thw must be \[num_items >= 1, 3\], got \[0, 3\]"):
+        ours(torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="has an empty item"):
+        ours(torch.zeros(0, 1176), torch.tensor([[0, 4, 4]]))
 
 
 def test_load_weights_reports_missing_and_unexpected() -> None:
