@@ -31,13 +31,13 @@ def _config(depth: int = 3, fullatt: tuple[int, ...] = (1,)) -> Qwen2_5_VLVision
     )
 
 
-def _hf_model(config: Qwen2_5_VLVisionConfig, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
+def _hf_model(config: Qwen2_5_VLVisionConfig, std: float = 0.2) -> torch.nn.Module:
+    torch.manual_seed(0)
     config._attn_implementation = "sdpa"
     model = Qwen2_5_VisionTransformerPretrainedModel(config).eval()
     with torch.no_grad():
         for param in model.parameters():
-            param.normal_(0.0, 0.2)
+            param.normal_(0.0, std)
     return model
 
 
@@ -116,6 +116,10 @@ def test_bad_inputs_name_the_problem() -> None:
         ours(pixels[:, :100], grid_thw)
     with pytest.raises(ValueError, match="multiples of spatial_merge_size=2"):
         ours(torch.zeros(15, 1176), torch.tensor([[1, 3, 5]]))
+    with pytest.raises(ValueError, match=r"grid_thw must be \[num_items >= 1, 3\], got \[0, 3\]"):
+        ours(torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="has an empty item"):
+        ours(torch.zeros(0, 1176), torch.tensor([[0, 4, 4]]))
 
 
 def test_load_weights_reports_missing_and_unexpected() -> None:
@@ -139,3 +143,25 @@ def test_rotary_stays_fp32_after_casting_the_model() -> None:
     after = model.rotary_pos_emb(positions)
     assert after[0].dtype == torch.float32
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_matches_hf_at_qwen2_5_vl_3b_width() -> None:
+    # The 3B tower's block shape (4 of its 32 blocks) on a 448x448 image: 1024 patches in
+    # 16 windows of 64, plus one full-attention block over all of them.
+    config = Qwen2_5_VLVisionConfig(
+        depth=4,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=2048,
+        window_size=112,
+        fullatt_block_indexes=[3],
+    )
+    hf = _hf_model(config, std=0.02)
+    ours = _ours(config, hf)
+    pixels, grid_thw = _inputs([(1, 32, 32)])
+    with torch.no_grad():
+        expected = hf(pixels, grid_thw=grid_thw).pooler_output
+        got = ours(pixels, grid_thw)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)

@@ -295,7 +295,11 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return self.patch_embed.proj.weight.dtype
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        expected = int(grid_thw.prod(-1).sum()) if grid_thw.numel() else 0
+        if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or len(grid_thw) == 0:
+            raise ValueError(f"grid_thw must be [num_items >= 1, 3], got {list(grid_thw.shape)}")
+        if (grid_thw < 1).any():
+            raise ValueError(f"grid_thw {grid_thw.tolist()} has an empty item (sizes must be >= 1)")
+        expected = int(grid_thw.prod(-1).sum())
         if pixel_values.shape[0] != expected:
             raise ValueError(
                 f"pixel_values has {pixel_values.shape[0]} patches but grid_thw "
