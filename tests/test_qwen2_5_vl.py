@@ -117,8 +117,13 @@ def test_image_prompt_matches_hf(vlm_dir: Path, hf: Any) -> None:
     assert_matches(out, *hf_reference(hf, out.prompt_token_ids, images=[IMAGE]))
 
 
-def test_video_prompt_matches_hf(vlm_dir: Path, hf: Any) -> None:
-    out = make_llm(vlm_dir).generate(video_request(), greedy())[0]
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_video_prompt_matches_hf(vlm_dir: Path, hf: Any, enforce_eager: bool) -> None:
+    """Also with the CPU platform's native ops (the decode program and CUDA graphs stay off:
+    they take flat positions)."""
+    llm = make_llm(vlm_dir, enforce_eager=enforce_eager)
+    assert llm.engine.runner.decode_program is None
+    out = llm.generate(video_request(), greedy())[0]
     assert out.prompt_token_ids.count(hf.config.video_token_id) == 4 * 2 * 7
     assert_matches(out, *hf_reference(hf, out.prompt_token_ids, videos=[CLIP]))
 
