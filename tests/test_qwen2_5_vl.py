@@ -447,3 +447,37 @@ def test_repl_image_command_attaches_to_next_message(vlm_dir: Path, tmp_path: Pa
     finally:
         repl.close()
         engine.shutdown(timeout=30)
+
+
+def test_aborted_request_frees_its_encoder_cache_entry(vlm_dir: Path) -> None:
+    llm = make_llm(vlm_dir, max_num_batched_tokens=8)
+    engine = llm.engine
+    engine.add_request("r", video_request(), greedy())
+    engine.step()  # the video's first chunk: encoded, the rest still to come
+    state = engine.runner.model_state
+    assert state.num_encoded == 1 and len(state.encoder_cache) == 1
+    engine.abort_request("r")
+    engine.step()  # the runner drops the row
+    assert state.encoder_cache == {} and state.rows == {}
+
+
+@pytest.mark.slow
+def test_evs_with_prefix_caching_and_preemption(vlm_dir: Path) -> None:
+    """The same video twice under EVS hits the cache and answers the same; a preempted EVS
+    request re-encodes and answers as without preemption."""
+    llm = make_llm(vlm_dir, video_pruning_rate=0.5, block_size=8)
+    first = llm.generate(video_request(), greedy(), use_tqdm=False)[0]
+    again = llm.generate(video_request(), greedy(), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    tight = make_llm(
+        vlm_dir, video_pruning_rate=0.5, block_size=8, num_gpu_blocks_override=8,
+        max_model_len=64, enable_prefix_caching=False, max_num_batched_tokens=24,
+    )  # fmt: skip
+    clips = [CLIP, CLIP[::-1].copy(), np.roll(CLIP, 1, axis=0)]
+    outs = tight.generate([video_request(c) for c in clips], greedy(12), use_tqdm=False)
+    assert tight.get_stats().total_preemptions > 0
+    alone = make_llm(vlm_dir, video_pruning_rate=0.5)
+    for clip, out in zip(clips, outs, strict=True):
+        ref = alone.generate(video_request(clip), greedy(12), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
