@@ -481,3 +481,20 @@ def test_evs_with_prefix_caching_and_preemption(vlm_dir: Path) -> None:
     for clip, out in zip(clips, outs, strict=True):
         ref = alone.generate(video_request(clip), greedy(12), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_mrope_layout_text_continues_past_the_largest_position() -> None:
+    """A (4, 2, 2)-token video at 2 tokens per second spans time 3..9: the text after it
+    starts at 10 (vLLM's rule; transformers 5.24 would start at 5, which only agrees while a
+    video's time extent stays below its width), also when EVS shortened the span."""
+    from tinyvllm.models.qwen2_5_vl import MediaInput, prompt_mrope_positions
+
+    video = MediaInput("video", torch.zeros(0, 1), (4, 4, 4))
+    positions, starts, delta = prompt_mrope_positions(3 + 16 + 2, [(3, 16, video)], 2, 2.0)
+    assert starts == [3]
+    assert positions[:, :3].tolist() == [[0, 1, 2]] * 3
+    assert positions[:, 3].tolist() == [3, 3, 3] and positions[:, 18].tolist() == [9, 4, 4]
+    assert positions[:, 19:].tolist() == [[10, 11]] * 3
+    assert delta == 12 - 21
+    pruned, _, pruned_delta = prompt_mrope_positions(3 + 4 + 2, [(3, 4, video)], 2, 2.0)
+    assert pruned[:, 7:].tolist() == [[10, 11]] * 3 and pruned_delta == 12 - 9
