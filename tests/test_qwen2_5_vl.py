@@ -498,3 +498,16 @@ def test_mrope_layout_text_continues_past_the_largest_position() -> None:
     assert delta == 12 - 21
     pruned, _, pruned_delta = prompt_mrope_positions(3 + 4 + 2, [(3, 4, video)], 2, 2.0)
     assert pruned[:, 7:].tolist() == [[10, 11]] * 3 and pruned_delta == 12 - 9
+
+
+def test_request_reaching_a_shared_video_later_reuses_its_encoding(vlm_dir: Path) -> None:
+    """Two prompts with the same video, admitted together: the second is still in its long
+    text when the first finishes the video, yet it reads the cached encoding instead of
+    running the encoder again."""
+    llm = make_llm(vlm_dir, max_num_batched_tokens=80, enable_prefix_caching=False)
+    late = {"prompt": "word " * 40 + VIDEO_PROMPT, "multi_modal_data": {"video": CLIP}}
+    outs = llm.generate([video_request(), late], greedy(), use_tqdm=False)
+    state = llm.engine.runner.model_state
+    assert state.num_encoded == 1 and state.encoder_cache == {}
+    alone = make_llm(vlm_dir).generate(late, greedy(), use_tqdm=False)[0]
+    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids

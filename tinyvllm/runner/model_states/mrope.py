@@ -34,6 +34,8 @@ class _Row:
     positions: torch.Tensor  # [3, num_prompt] int64, CPU
     starts: list[int]  # M-RoPE start position of each feature
     delta: int  # generated token at index i has position i + delta
+    # Content hashes of the items whose tokens are not all computed yet.
+    pending: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -64,20 +66,18 @@ class MRopeModelState(ModelState):
         positions, starts, delta = prompt_mrope_positions(
             len(new.prompt_token_ids), spans, self.merge, self.tokens_per_second
         )
-        self.rows[row] = _Row(list(new.mm_features), positions, starts, delta)
-        for i, feature in enumerate(new.mm_features):
-            if feature.end > new.num_computed_tokens:  # not all in the prefix cache
-                entry = self.encoder_cache.get(feature.identifier)
-                if entry is not None:
-                    entry.rows.add(row)
-                    self.on_cached_item(row, i)
+        pending = {f.identifier for f in new.mm_features if f.end > new.num_computed_tokens}
+        self.rows[row] = _Row(list(new.mm_features), positions, starts, delta, pending)
+        for identifier in pending:
+            if identifier in self.encoder_cache:
+                self._hold(row, identifier)
 
     def remove_request(self, row: int) -> None:
         state = self.rows.pop(row, None)
         if state is None:
             return
-        for feature in state.features:
-            self._release(feature.identifier, row)
+        for identifier in state.pending:
+            self._release(identifier, row)
 
     # ---- inputs --------------------------------------------------------------------------
     def model_inputs(self, batch: InputBatch) -> ModelInputs:
@@ -128,20 +128,20 @@ class MRopeModelState(ModelState):
                     entry = self._encode(feature)
                     self.encoder_cache[feature.identifier] = entry
                     rewritten |= self._on_encoded(feature.identifier)
-                entry.rows.add(row)
                 emb = entry.embeds[lo - feature.offset : hi - feature.offset]
                 pieces.append((qsl[i] + lo - first, emb))
-                if hi == feature.end:
-                    done.append((feature.identifier, row))
-        if not pieces:
-            return
-        embeds = self.model.embed_input_ids(inputs.input_ids)  # type: ignore[operator]
-        for at, emb in pieces:
-            embeds[at : at + emb.shape[0]] = emb.to(embeds.dtype)
-        inputs.inputs_embeds = embeds
+            for identifier in list(state.pending):
+                if all(f.end <= last for f in state.features if f.identifier == identifier):
+                    state.pending.discard(identifier)
+                    done.append((identifier, row))
+        if pieces:
+            embeds = self.model.embed_input_ids(inputs.input_ids)  # type: ignore[operator]
+            for at, emb in pieces:
+                embeds[at : at + emb.shape[0]] = emb.to(embeds.dtype)
+            inputs.inputs_embeds = embeds
         if rewritten:
             inputs.positions = self._positions(batch)
-        for identifier, row in done:
+        for identifier, row in done:  # after the gather: the embeddings are read above
             self._release(identifier, row)
 
     # ---- encoder cache ---------------------------------------------------------------------
@@ -158,13 +158,22 @@ class MRopeModelState(ModelState):
         return embeds
 
     def _on_encoded(self, identifier: str) -> bool:
-        """An item was encoded: let rows holding it update their positions; True when any
-        position changed."""
+        """An item was encoded: every row still needing it holds the cache entry (so a
+        request that reaches the item later does not encode it again) and updates its
+        positions; True when any position changed."""
         changed = False
         for row, state in self.rows.items():
-            for k, feature in enumerate(state.features):
-                if feature.identifier == identifier:
-                    changed |= self.on_cached_item(row, k)
+            if identifier in state.pending:
+                changed |= self._hold(row, identifier)
+        return changed
+
+    def _hold(self, row: int, identifier: str) -> bool:
+        """Row `row` needs the cached item `identifier`; True when its positions changed."""
+        self.encoder_cache[identifier].rows.add(row)
+        changed = False
+        for k, feature in enumerate(self.rows[row].features):
+            if feature.identifier == identifier:
+                changed |= self.on_cached_item(row, k)
         return changed
 
     def on_cached_item(self, row: int, k: int) -> bool:
