@@ -147,9 +147,20 @@ def test_batch_of_text_image_video_matches_hf(vlm_dir: Path, hf: Any, budget: in
         image_request(),
         {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": [second]}},
     ]
+    model = llm.engine.runner.model
+    calls: list[int] = []
+    encode = model.embed_media
+
+    def counting(pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        calls.append(len(grid))
+        return encode(pixels, grid)
+
+    model.embed_media = counting
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     state = llm.engine.runner.model_state
-    assert state.num_encoded == 3
+    assert state.num_encoded == 3 == sum(calls)
+    if budget is None:  # all in the first step: one encoder call for the three items
+        assert calls == [3]
     assert state.encoder_cache == {}  # every entry freed once its tokens were computed
     assert_matches(outs[0], *hf_reference(hf, outs[0].prompt_token_ids, videos=[CLIP]))
     assert_matches(outs[1], *hf_reference(hf, outs[1].prompt_token_ids))

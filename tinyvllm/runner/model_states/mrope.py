@@ -38,6 +38,18 @@ class _Row:
     pending: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class _Span:
+    """The part [lo, hi) of one media item that one row's scheduled tokens reach."""
+
+    row: int
+    last: int  # end of the row's scheduled tokens (sequence index)
+    feature: MultiModalFeature
+    at: int  # flat batch index of the item's token lo
+    lo: int
+    hi: int
+
+
 @dataclass
 class _CacheEntry:
     embeds: torch.Tensor  # [placeholder tokens, hidden] on the model's device
@@ -107,11 +119,31 @@ class MRopeModelState(ModelState):
 
     # ---- around the forward --------------------------------------------------------------
     def pre_forward(self, batch: InputBatch, inputs: ModelInputs) -> None:
-        """Encode the media the step's tokens reach (once per item), then merge their
-        embeddings into the token embeddings at the scheduled positions."""
-        pieces: list[tuple[int, torch.Tensor]] = []  # (flat token index, embeddings)
+        """Encode the media the step's tokens reach (once per item, all in one encoder call),
+        then merge their embeddings into the token embeddings at the scheduled positions."""
+        spans = self._scheduled_spans(batch)
+        rewritten = self._encode_missing([span.feature for span in spans])
         done: list[tuple[str, int]] = []
-        rewritten = False
+        for row, last in {(span.row, span.last) for span in spans}:
+            state = self.rows[row]
+            for identifier in list(state.pending):
+                if all(f.end <= last for f in state.features if f.identifier == identifier):
+                    state.pending.discard(identifier)
+                    done.append((identifier, row))
+        if spans:
+            embeds = self.model.embed_input_ids(inputs.input_ids)  # type: ignore[operator]
+            for span in spans:
+                emb = self.encoder_cache[span.feature.identifier].embeds[span.lo : span.hi]
+                embeds[span.at : span.at + span.hi - span.lo] = emb.to(embeds.dtype)
+            inputs.inputs_embeds = embeds
+        if rewritten:
+            inputs.positions = self._positions(batch)
+        for identifier, row in done:  # after the gather: the embeddings are read above
+            self._release(identifier, row)
+
+    def _scheduled_spans(self, batch: InputBatch) -> list[_Span]:
+        """The parts of media items the step's tokens reach."""
+        spans = []
         qsl = batch.attn_metadata.query_start_loc_cpu
         index = batch.positions.cpu()
         for i, row in enumerate(batch.rows.tolist()):
@@ -119,38 +151,33 @@ class MRopeModelState(ModelState):
             if state is None or qsl[i + 1] == qsl[i]:
                 continue
             first, last = int(index[qsl[i]]), int(index[qsl[i + 1] - 1]) + 1
-            for feature in state.features:
-                lo, hi = max(first, feature.offset), min(last, feature.end)
-                if lo >= hi:
-                    continue
-                entry = self.encoder_cache.get(feature.identifier)
-                if entry is None:
-                    entry = self._encode(feature)
-                    self.encoder_cache[feature.identifier] = entry
-                    rewritten |= self._on_encoded(feature.identifier)
-                emb = entry.embeds[lo - feature.offset : hi - feature.offset]
-                pieces.append((qsl[i] + lo - first, emb))
-            for identifier in list(state.pending):
-                if all(f.end <= last for f in state.features if f.identifier == identifier):
-                    state.pending.discard(identifier)
-                    done.append((identifier, row))
-        if pieces:
-            embeds = self.model.embed_input_ids(inputs.input_ids)  # type: ignore[operator]
-            for at, emb in pieces:
-                embeds[at : at + emb.shape[0]] = emb.to(embeds.dtype)
-            inputs.inputs_embeds = embeds
-        if rewritten:
-            inputs.positions = self._positions(batch)
-        for identifier, row in done:  # after the gather: the embeddings are read above
-            self._release(identifier, row)
+            for f in state.features:
+                lo, hi = max(first, f.offset), min(last, f.end)
+                if lo < hi:
+                    at = qsl[i] + lo - first
+                    spans.append(_Span(row, last, f, at, lo - f.offset, hi - f.offset))
+        return spans
 
     # ---- encoder cache ---------------------------------------------------------------------
-    def _encode(self, feature: MultiModalFeature) -> _CacheEntry:
-        media: MediaInput = feature.data
-        grid = torch.tensor([media.grid_thw], dtype=torch.int64)
-        embeds = self.model.embed_media(media.pixel_values, grid)  # type: ignore[operator]
-        self.num_encoded += 1
-        return _CacheEntry(self.select_tokens(feature, embeds))
+    def _encode_missing(self, features: list[MultiModalFeature]) -> bool:
+        """Run the vision encoder once over every item not cached yet (items never attend
+        to each other, so one call equals one per item); True when positions changed."""
+        missing = {f.identifier: f for f in features if f.identifier not in self.encoder_cache}
+        if not missing:
+            return False
+        items = list(missing.values())
+        media: list[MediaInput] = [f.data for f in items]
+        pixels = torch.cat([m.pixel_values for m in media])
+        grid = torch.tensor([m.grid_thw for m in media], dtype=torch.int64)
+        embeds = self.model.embed_media(pixels, grid)  # type: ignore[operator]
+        sizes = [t * h * w // self.merge**2 for t, h, w in grid.tolist()]
+        changed = False
+        for feature, item_embeds in zip(items, embeds.split(sizes), strict=True):
+            entry = _CacheEntry(self.select_tokens(feature, item_embeds))
+            self.encoder_cache[feature.identifier] = entry
+            self.num_encoded += 1
+            changed |= self._on_encoded(feature.identifier)
+        return changed
 
     def select_tokens(self, feature: MultiModalFeature, embeds: torch.Tensor) -> torch.Tensor:
         """The encoder's tokens that fill the item's placeholders (all of them here; the
