@@ -522,3 +522,31 @@ def test_request_reaching_a_shared_video_later_reuses_its_encoding(vlm_dir: Path
     assert state.num_encoded == 1 and state.encoder_cache == {}
     alone = make_llm(vlm_dir).generate(late, greedy(), use_tqdm=False)[0]
     assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_hub_config_layout_loads_the_same_model(vlm_dir: Path, tmp_path: Path) -> None:
+    """The hub's Qwen2.5-VL config.json keeps the language model's fields at the top level
+    with `rope_scaling: {type: mrope}` and `sliding_window` set but unused; it must build the
+    same model as transformers v5's nested layout."""
+    import json
+    import shutil
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(vlm_dir, legacy)
+    config = json.loads((vlm_dir / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("layer_types", "model_type", "sliding_window"):
+        text.pop(key)
+    config |= text | {
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "max_window_layers": 70,
+    }
+    config["vision_config"] |= {"model_type": "qwen2_5_vl", "in_chans": 3}
+    (legacy / "config.json").write_text(json.dumps(config))
+    ours = make_llm(legacy).generate(image_request(), greedy(), use_tqdm=False)[0]
+    nested = make_llm(vlm_dir).generate(image_request(), greedy(), use_tqdm=False)[0]
+    assert ours.outputs[0].token_ids == nested.outputs[0].token_ids
