@@ -550,3 +550,11 @@ def test_hub_config_layout_loads_the_same_model(vlm_dir: Path, tmp_path: Path) -
     ours = make_llm(legacy).generate(image_request(), greedy(), use_tqdm=False)[0]
     nested = make_llm(vlm_dir).generate(image_request(), greedy(), use_tqdm=False)[0]
     assert ours.outputs[0].token_ids == nested.outputs[0].token_ids
+
+
+def test_cli_check_runs_a_vision_language_model_on_text(vlm_dir: Path, capsys: Any) -> None:
+    from tinyvllm.cli import main
+
+    argv = ["check", "--model", str(vlm_dir), "--max-tokens", "4", "--max-model-len", "128"]
+    assert main(argv) == 0
+    assert "greedy agreement 100.0%" in capsys.readouterr().out
