@@ -336,10 +336,23 @@ def test_more_placeholders_than_items(vlm: LLM) -> None:
         vlm.generate(IMAGE_PROMPT, use_tqdm=False)
 
 
-def test_video_longer_than_context_says_how_many_frames_fit(vlm: LLM) -> None:
+def test_video_longer_than_context_says_how_many_frames_fit(
+    vlm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # 32 frames: 16 groups of 14 tokens = 224; 120 left beside the text = 8 groups.
     long_clip = np.repeat(CLIP, 4, axis=0)
-    with pytest.raises(ValueError, match=r"max_model_len=128; at this size 16 frames fit"):
+    message = r"max_model_len=128; at this size 16 frames fit"
+    with pytest.raises(ValueError, match=message):
+        vlm.generate(video_request(long_clip), use_tqdm=False)
+    # Frames as a list: known only once decoded, then the same check.
+    with pytest.raises(ValueError, match=message):
+        vlm.generate(video_request(list(long_clip)), use_tqdm=False)
+
+    def no_preprocessing(*args: Any) -> None:
+        raise AssertionError("an array's shape already tells it cannot fit")
+
+    monkeypatch.setattr("tinyvllm.engine.mm_inputs.process_video", no_preprocessing)
+    with pytest.raises(ValueError, match=message):
         vlm.generate(video_request(long_clip), use_tqdm=False)
 
 

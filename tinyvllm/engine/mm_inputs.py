@@ -24,8 +24,10 @@ from tinyvllm.multimodal.evs import retained_tokens_for_grid
 from tinyvllm.multimodal.media import decode_video, load_image
 from tinyvllm.multimodal.qwen_vl_processing import (
     QwenVLProcessorConfig,
+    image_grid_thw,
     process_images,
     process_video,
+    video_grid_thw,
 )
 from tinyvllm.request import MultiModalFeature
 
@@ -60,12 +62,14 @@ class MultiModalProcessor:
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """(expanded prompt ids, features in prompt order); ValueError naming what is wrong."""
         items = self._items(mm_data)
+        runs = self._placeholder_runs(prompt_ids)
+        # A clip that cannot fit fails before its frames are preprocessed.
+        self._check_sizes_from_shapes(len(prompt_ids) - sum(e - s for s, e, _ in runs), items)
         # Each item's own problems first: they are the more specific message.
         media: dict[str, list[MediaInput]] = {
             m: [self._preprocess(m, item, i) for i, item in enumerate(items[m])]
             for m in _MODALITIES
         }
-        runs = self._placeholder_runs(prompt_ids)
         for modality in _MODALITIES:
             found = sum(1 for _, _, m in runs if m == modality)
             given = len(items[modality])
@@ -94,7 +98,8 @@ class MultiModalProcessor:
             out += [self.token_ids[modality]] * size
             index = end
         out += prompt_ids[index:]
-        self._check_length(out, features)
+        videos = [(f.data.grid_thw, f.length) for f in features if f.modality == "video"]
+        self._check_length(len(out), videos)
         return out, features
 
     def check_text_prompt(self, prompt_ids: list[int]) -> None:
@@ -108,9 +113,12 @@ class MultiModalProcessor:
     def num_tokens(self, item: MediaInput) -> int:
         """Language-model tokens of one item: merged patches, and for a video with EVS the
         retained count."""
-        if item.modality == "video" and self.pruning_rate > 0:
-            return retained_tokens_for_grid(item.grid_thw, self.merge, self.pruning_rate)
-        t, h, w = item.grid_thw
+        return self._grid_tokens(item.modality, item.grid_thw)
+
+    def _grid_tokens(self, modality: str, grid: tuple[int, int, int]) -> int:
+        if modality == "video" and self.pruning_rate > 0:
+            return retained_tokens_for_grid(grid, self.merge, self.pruning_rate)
+        t, h, w = grid
         return t * (h // self.merge) * (w // self.merge)
 
     # ---- internals -------------------------------------------------------------------------
@@ -179,27 +187,53 @@ class MultiModalProcessor:
         second_per_grid_t = cfg.temporal_patch_size / fps if fps else 1.0
         return MediaInput("video", torch.from_numpy(pixels), _grid(grid[0]), second_per_grid_t)
 
-    def _check_length(self, ids: list[int], features: list[MultiModalFeature]) -> None:
-        if len(ids) <= self.max_model_len:
-            return
-        videos = [f for f in features if f.modality == "video"]
-        if not videos:
-            return  # the engine's own length check names the numbers
-        longest = max(videos, key=lambda f: f.length)
-        room = self.max_model_len - (len(ids) - longest.length)
-        media: MediaInput = longest.data
+    def _check_sizes_from_shapes(self, num_text: int, items: dict[str, list[Any]]) -> None:
+        """The length check from the items' shapes alone, when every item is an array or a
+        PIL image (files and frame lists are checked once they are decoded)."""
+        total = num_text
+        videos: list[tuple[tuple[int, int, int], int]] = []
+        for modality in _MODALITIES:
+            for item in items[modality]:
+                frames = item[0] if modality == "video" else item
+                grid = self._shape_grid(modality, frames)
+                if grid is None:
+                    return
+                size = self._grid_tokens(modality, grid)
+                total += size
+                if modality == "video":
+                    videos.append((grid, size))
+        self._check_length(total, videos)
+
+    def _shape_grid(self, modality: str, item: Any) -> tuple[int, int, int] | None:
+        from PIL import Image
+
+        cfg = self.configs[modality]
+        if modality == "image" and isinstance(item, Image.Image):
+            return image_grid_thw(item.height, item.width, cfg)
+        if not isinstance(item, np.ndarray) or item.ndim != (3 if modality == "image" else 4):
+            return None
+        if modality == "image":
+            return image_grid_thw(item.shape[0], item.shape[1], cfg)
+        return video_grid_thw(*item.shape[:3], cfg) if item.shape[0] else None
+
+    def _check_length(self, total: int, videos: list[tuple[tuple[int, int, int], int]]) -> None:
+        """ValueError when a prompt with videos exceeds max_model_len, saying how many frames
+        of its longest video would fit."""
+        if total <= self.max_model_len or not videos:
+            return  # without videos the engine's own length check names the numbers
+        grid, length = max(videos, key=lambda v: v[1])
+        room = self.max_model_len - (total - length)
         tp = self.configs["video"].temporal_patch_size
-        fit = 0
-        for groups in range(media.grid_thw[0], 0, -1):
-            probe = MediaInput("video", media.pixel_values[:0], (groups, *media.grid_thw[1:]))
-            if self.num_tokens(probe) <= room:
-                fit = groups * tp
-                break
+        fit = next(
+            (g * tp for g in range(grid[0], 0, -1)
+             if self._grid_tokens("video", (g, grid[1], grid[2])) <= room),
+            0,
+        )  # fmt: skip
         raise ValueError(
-            f"the prompt needs {len(ids)} tokens with its video of {media.grid_thw[0] * tp} "
-            f"frames ({longest.length} tokens), more than max_model_len={self.max_model_len}; "
-            f"at this size {fit} frames fit (use fewer or smaller frames, raise "
-            "max_model_len, or set video_pruning_rate)"
+            f"the prompt needs {total} tokens with its video of {grid[0] * tp} frames "
+            f"({length} tokens), more than max_model_len={self.max_model_len}; at this size "
+            f"{fit} frames fit (use fewer or smaller frames, raise max_model_len, or set "
+            "video_pruning_rate)"
         )
 
 
