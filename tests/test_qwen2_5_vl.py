@@ -571,3 +571,32 @@ def test_cli_check_runs_a_vision_language_model_on_text(vlm_dir: Path, capsys: A
     argv = ["check", "--model", str(vlm_dir), "--max-tokens", "4", "--max-model-len", "128"]
     assert main(argv) == 0
     assert "greedy agreement 100.0%" in capsys.readouterr().out
+
+
+def test_video_file_is_sampled_and_matches_its_frames(vlm_dir: Path, tmp_path: Path) -> None:
+    """A video file (lossless PNG-in-QuickTime at 10 fps) is decoded with PyAV and sampled to
+    32 frames by default (or `num_frames`); its fps spaces the time positions exactly as the
+    same frames given in memory with that fps."""
+    av = pytest.importorskip("av")
+    path = tmp_path / "clip.mov"
+    clip = np.concatenate([CLIP] * 5)  # 40 frames
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("png", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 196, 56, "rgb24"
+        for frame in clip:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, "rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    llm = make_llm(vlm_dir)
+    video_id = llm.engine.config.model.hf_config.video_token_id
+    sampled = llm.generate(video_request(str(path)), greedy(), use_tqdm=False)[0]
+    assert sampled.prompt_token_ids.count(video_id) == 16 * 14  # 32 frames, 16 groups
+    few = llm.generate(
+        video_request((path.as_uri(), {"num_frames": 10})), greedy(), use_tqdm=False
+    )[0]
+    picks = np.linspace(0, 39, 10).round().astype(int)
+    in_memory = (clip[picks], {"fps": 10 * 10 / 40})  # 0.8 s per group: time step 1.6
+    ref = llm.generate(video_request(in_memory), greedy(), use_tqdm=False)[0]
+    assert few.prompt_token_ids == ref.prompt_token_ids
+    assert few.outputs[0].token_ids == ref.outputs[0].token_ids

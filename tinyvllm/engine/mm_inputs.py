@@ -32,6 +32,9 @@ from tinyvllm.multimodal.qwen_vl_processing import (
 from tinyvllm.request import MultiModalFeature
 
 _MODALITIES = ("image", "video")
+# Frames sampled (spread over the clip) from a video file unless its metadata says otherwise:
+# a fixed count keeps a long file to a bounded number of tokens.
+VIDEO_FILE_FRAMES = 32
 
 
 class MultiModalProcessor:
@@ -176,9 +179,10 @@ class MultiModalProcessor:
                 item = load_image(item)
             pixels, grid = process_images([item], cfg)
             return MediaInput("image", torch.from_numpy(pixels), _grid(grid[0]))
-        frames, fps = item
+        frames, meta = item
+        fps = meta.get("fps")
         if isinstance(frames, str | Path | bytes):
-            clip = decode_video(frames)
+            clip = decode_video(frames, meta.get("num_frames", VIDEO_FILE_FRAMES))
             frames, fps = clip.frames, fps or clip.fps
         try:
             pixels, grid = process_video(frames, cfg)
@@ -249,15 +253,16 @@ def _grid(row: Sequence[int]) -> tuple[int, int, int]:
     return t, h, w
 
 
-def _video_items(value: Any) -> list[tuple[Any, float | None]]:
-    """One video or a list of them -> [(frames, fps)]. A video is a (T, H, W, 3) array, a list
-    of frames (PIL images or (H, W, 3) arrays), a file (path, file:// URL, bytes), or (any of
-    those, {"fps": f})."""
+def _video_items(value: Any) -> list[tuple[Any, Mapping[str, Any]]]:
+    """One video or a list of them -> [(frames, metadata)]. A video is a (T, H, W, 3) array, a
+    list of frames (PIL images or (H, W, 3) arrays), a file (path, file:// URL, bytes), or
+    (any of those, {"fps": f, "num_frames": n}): fps spaces the M-RoPE time positions, and a
+    file is sampled to num_frames frames spread over the clip."""
 
-    def one(video: Any) -> tuple[Any, float | None]:
+    def one(video: Any) -> tuple[Any, Mapping[str, Any]]:
         if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping):
-            return video[0], video[1].get("fps")
-        return video, None
+            return video[0], video[1]
+        return video, {}
 
     if isinstance(value, list) and value and all(_is_whole_video(v) for v in value):
         return [one(v) for v in value]
