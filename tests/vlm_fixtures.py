@@ -6,7 +6,6 @@ prompts can hold `<|vision_start|><|image_pad|><|vision_end|>`.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +97,3 @@ def moving_clip(frames: int, height: int, width: int, seed: int) -> np.ndarray:
         x = (t * 11) % max(1, width - 20)
         clip[t, 4:24, x : x + 20] = 255
     return clip
-
-
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    for path in Path(src).iterdir():
-        if path.is_file() and "token" in path.name:
-            shutil.copy(path, dst / path.name)
