@@ -40,6 +40,12 @@ def _add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
         help="auto (keep a GGUF file's quantized blocks) | none (dequantize) | int8 | int4 | gguf;"
         " default: auto, except check: none",
     )
+    p.add_argument(
+        "--video-pruning-rate",
+        type=float,
+        default=None,
+        help="EVS for video VLMs: share of video tokens to drop, in [0, 1) (default: off)",
+    )
     if draft:
         p.add_argument(
             "--draft",
@@ -60,6 +66,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["dtype"] = args.dtype
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization
+    if args.video_pruning_rate is not None:
+        kwargs["video_pruning_rate"] = args.video_pruning_rate
     return kwargs
 
 
@@ -126,8 +134,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(model, **kwargs)
     start = time.perf_counter()
+    media = {k: v for k, v in (("image", args.image), ("video", args.video)) if v}
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        parts = _media_parts(media)
+        conversations = [
+            [{"role": "user", "content": [*parts, {"type": "text", "text": p}] if parts else p}]
+            for p in prompts
+        ]
+        outputs = llm.chat(conversations, params)
+    elif media:
+        outputs = llm.generate([_media_prompt(p, media) for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -142,6 +158,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
             n += len(comp.token_ids)
     print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _media_parts(media: dict[str, list[str]]) -> list[dict[str, Any]]:
+    return [
+        {"type": f"{kind}_url", f"{kind}_url": {"url": path}}
+        for kind, paths in media.items()
+        for path in paths
+    ]
+
+
+def _media_prompt(prompt: str, media: dict[str, list[str]]) -> dict[str, Any]:
+    """A plain prompt with --image / --video files: their placeholders go first unless the
+    prompt already places them."""
+    from tinyvllm.utils.content_parts import PLACEHOLDERS
+
+    head = "".join(
+        PLACEHOLDERS[kind] * len(paths)
+        for kind, paths in media.items()
+        if PLACEHOLDERS[kind] not in prompt
+    )
+    return {"prompt": head + prompt, "multi_modal_data": media}
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -269,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument(
+        "--image", action="append", default=[], help="image file for every prompt (repeatable)"
+    )
+    gen.add_argument(
+        "--video", action="append", default=[], help="video file for every prompt (repeatable)"
+    )
     gen.set_defaults(func=cmd_generate)
 
     chk = sub.add_parser(

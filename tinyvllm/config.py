@@ -26,6 +26,8 @@ class ModelConfig:
     # The user's `quantization=` (validated): a draft model resolves it against its own
     # checkpoint, as the target's was.
     requested_quantization: str | None = None
+    # EVS: the share of video tokens dropped after the vision encoder (0 = off).
+    video_pruning_rate: float = 0.0
 
 
 @dataclass
@@ -98,6 +100,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | None = None
+    # EVS (Efficient Video Sampling) for video VLMs: drop this share of the video tokens that
+    # change least from the previous frame, after the vision encoder; None or 0 = off.
+    video_pruning_rate: float | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -132,6 +137,14 @@ class EngineArgs:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        rate = self.video_pruning_rate
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0
+        ):
+            raise ValueError(
+                f"video_pruning_rate must be a number in [0, 1) (the share of video tokens "
+                f"EVS drops; 0 = off), got {rate!r}"
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -13,6 +13,7 @@ from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.stats import EngineStats
 from tinyvllm.utils.chat_template import render_chat_template
+from tinyvllm.utils.content_parts import split_content_parts
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,12 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate.
+
+        A message's content may be a list of OpenAI-style parts: `{"type": "text", ...}`,
+        `{"type": "image_url", "image_url": {"url": PATH_OR_FILE_URL}}`, `video_url`
+        likewise, or in-memory `{"type": "image", "image": array_or_pil}` /
+        `{"type": "video", "video": frames}` for vision-language models."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -94,6 +100,8 @@ class LLM:
             )
         prompts: list[PromptType] = []
         for conv in conversations:
+            # Content parts (text / image_url / video_url) -> text with placeholders + media.
+            conv, media = split_content_parts(conv)
             text = render_chat_template(
                 tokenizer,
                 conv,
@@ -103,7 +111,10 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             ids = tokenizer.encode(check_text(text, "the chat"), add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if media:
+                prompt["multi_modal_data"] = media
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_stats(self, include_blocks: bool = False) -> EngineStats:

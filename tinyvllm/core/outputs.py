@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tinyvllm.request import MultiModalFeature
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -18,6 +19,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
+    # Images / videos of the prompt with their placeholder ranges (empty for text).
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass

@@ -213,6 +213,7 @@ class Scheduler:
                 block_ids=list(self.kv.get_block_ids(request.request_id)),
                 num_computed_tokens=request.num_computed_tokens,
                 eos_token_id=request.eos_token_id,
+                mm_features=request.mm_features,
             )
         )
         self._take(plan, request, num_new)

@@ -15,7 +15,7 @@ from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.setup import build_engine_config, load_tokenizer
 from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
-from tinyvllm.request import Request, RequestStatus
+from tinyvllm.request import MultiModalFeature, Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.stats import EngineStats
 
@@ -48,6 +48,12 @@ class Engine:
         self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
         self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
         self.stats = StatsCollector()
+        from tinyvllm.engine.mm_inputs import MultiModalProcessor
+
+        mc = config.model
+        self.mm_processor = MultiModalProcessor(
+            mc.hf_config, mc.model_path, mc.max_model_len, mc.video_pruning_rate
+        )
         # Whether the latest step scheduled nothing: the same state would schedule nothing
         # again, so a driver should wait for new requests or aborts rather than step again.
         self.last_step_empty = False
@@ -75,6 +81,7 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = self._new_request_id(request_id)
         prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_ids, mm_features = self._multimodal(prompt, prompt_ids)
         self._validate_prompt(prompt_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
@@ -113,6 +120,7 @@ class Engine:
                         eos_token_id=self.eos_token_id,
                         max_tokens=max_tokens,
                         arrival_time=arrival,
+                        mm_features=mm_features,
                     )
                 )
         except BaseException:
@@ -306,6 +314,16 @@ class Engine:
         raise TypeError(
             f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
         )
+
+    def _multimodal(
+        self, prompt: PromptType, prompt_ids: list[int]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's media as placeholder spans (the placeholders expanded to their size)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            self.mm_processor.check_text_prompt(prompt_ids)
+            return prompt_ids, []
+        return self.mm_processor.process(prompt_ids, data)
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -58,6 +58,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_model_len_explicit=args.max_model_len is not None,
             quantization=quantization,
             requested_quantization=args.quantization,
+            video_pruning_rate=float(args.video_pruning_rate or 0.0),
         ),
         cache=cache,
         scheduler=SchedulerConfig(

@@ -213,11 +213,15 @@ class LlamaModel(nn.Module):
         max_model_len: int,
         options: FamilyOptions,
         quant_config: QuantConfig | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config)
-        # One table shared by all layers; sized for the longest sequence we serve.
-        self.rotary_emb = RotaryEmbedding(RopeConfig.from_hf_config(config), max_model_len)
+        # One table shared by all layers; sized for the longest sequence we serve. A model
+        # with another position scheme (M-RoPE) brings its own.
+        self.rotary_emb = rotary_emb or RotaryEmbedding(
+            RopeConfig.from_hf_config(config), max_model_len
+        )
         windows = layer_sliding_windows(config, options.sliding_window_mode)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, options, self.rotary_emb, windows[i], quant_config)
@@ -226,9 +230,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
@@ -263,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.max_model_len = max_model_len
         self.quant_config = quant_config
-        self.model = LlamaModel(config, max_model_len, self.options, quant_config)
+        self.model = self.build_language_model(config, max_model_len, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         head_quant = None if quant_config is None else quant_config.output_config()
         self.lm_head = ReplicatedLinear(
@@ -274,6 +282,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             if self.model.embed_tokens.qweight is not None:
                 self.lm_head.qweight = self.model.embed_tokens.qweight
+
+    def build_language_model(
+        self, config: Any, max_model_len: int, quant_config: QuantConfig | None
+    ) -> LlamaModel:
+        """The decoder stack (a subclass with another position scheme builds its own)."""
+        return LlamaModel(config, max_model_len, self.options, quant_config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

@@ -35,6 +35,9 @@ _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
         "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3ForCausalLM"),
+        "Qwen2_5_VLForConditionalGeneration": ModelEntry(
+            "tinyvllm.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "mrope"
+        ),
     }
 )
 

@@ -29,7 +29,7 @@ from tinyvllm.runner.cuda_graphs import (
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import KVCacheSize, allocate_kv_caches, determine_num_blocks
-from tinyvllm.runner.model_states import ModelInputs, ModelState, model_state_class
+from tinyvllm.runner.model_states import ModelInputs, ModelState, create_model_state
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
@@ -72,8 +72,8 @@ class ModelRunner:
         )
         self.platform.prepare_model(self.model)
         state_kind = resolve_architecture(mc.hf_config)[1].state_kind
-        self.model_state: ModelState = model_state_class(state_kind)(
-            self.model, config.scheduler.max_num_seqs, device
+        self.model_state: ModelState = create_model_state(
+            state_kind, self.model, config.scheduler.max_num_seqs, device, mc.video_pruning_rate
         )
         self.layers = self.model.attention_layers()
         self.backend = self.platform.attention_backend(config.device.attention_backend)
@@ -125,10 +125,12 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.kv_layers, self.backend, size.num_blocks, self.block_size, self.dtype, self.device
         )
-        # Built after the KV caches exist: the program points into them.
-        self.decode_program = self.platform.decode_program(self.model)
+        # Built after the KV caches exist: the program points into them. Both fast paths
+        # take flat positions only.
+        flat = self.model_state.flat_positions
+        self.decode_program = self.platform.decode_program(self.model) if flat else None
         max_blocks_per_req = -(-max_model_len // self.block_size)
-        if self.platform.uses_cuda_graphs:
+        if self.platform.uses_cuda_graphs and flat:
             self.cuda_graphs = self._capture_cuda_graphs(max_blocks_per_req)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
@@ -287,6 +289,8 @@ class ModelRunner:
                 md.block_table,
             )  # fmt: skip
         self.backend.plan(md)
+        if inputs.inputs_embeds is not None:
+            return self.model(inputs.input_ids, inputs.positions, md, inputs.inputs_embeds)
         return self.model(inputs.input_ids, inputs.positions, md)
 
     def _verify(

@@ -18,4 +18,7 @@ HUB_ALLOW_PATTERNS: tuple[str, ...] = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    # Vision-language models: image / video preprocessing parameters.
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
 )
