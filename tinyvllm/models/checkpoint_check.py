@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Decoder layers (model.layers.N) and BERT encoder layers (encoder.layer.N, maybe under bert.).
+_LAYER = re.compile(r"^(?:model\.layers|(?:bert\.)?encoder\.layer)\.(\d+)\.")
 _POSITIVE_INTS = (
     "vocab_size",
     "hidden_size",
@@ -143,7 +144,7 @@ def check_against_checkpoint(config: Any, directory: TensorDirectory) -> None:
             f"{mlp}.down_proj.weight": ((hidden, inter), ("hidden_size", "intermediate_size")),
         }
     for name, (shape, fields) in expected.items():
-        _check_shape(directory, name, shape, fields)
+        check_shape(directory, name, shape, fields)
 
 
 def check_layer_count(layers: int, directory: TensorDirectory) -> None:
@@ -157,7 +158,7 @@ def check_layer_count(layers: int, directory: TensorDirectory) -> None:
         )
 
 
-def _check_shape(
+def check_shape(
     directory: TensorDirectory, name: str, shape: tuple[int, int], fields: tuple[str, str]
 ) -> None:
     actual = directory.shapes.get(name)

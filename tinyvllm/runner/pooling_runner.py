@@ -1,0 +1,105 @@
+"""PoolingRunner: runs a pooling model over whole prompts and pools the hidden states.
+
+No KV cache, no sampling, no per-request state between steps: every request of a step has all
+of its prompt in the step, so attention needs only the step's own tokens (PackedAttentionBackend:
+bidirectional for encoders such as BERT, causal for decoder models pooled at their last token).
+Requests run ordered by length, so the attention groups pad little.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.attention.packed_attn import PackedAttentionBackend
+from tinyvllm.config import EngineConfig
+from tinyvllm.models.layers.pooler import normalize_rows, pool
+from tinyvllm.models.loader import load_model, module_bytes
+from tinyvllm.platforms import Platform, select_platform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolingInput:
+    """One request of a step: its tokens, and what to return for it."""
+
+    token_ids: list[int]
+    task: str  # "embed" | "token_embed"
+    normalize: bool
+
+
+class PoolingRunner:
+    def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+        mc = config.model
+        assert mc.pooler_config is not None and mc.pooler_config.pooling_type is not None
+        self.device = device
+        self.pooling_type = mc.pooler_config.pooling_type
+        self.platform: Platform = select_platform(device, dtype, config.device.enforce_eager)
+        self.model = load_model(
+            mc.model_path,
+            mc.hf_config,
+            dtype,
+            device,
+            mc.max_model_len,
+            mc.quantization,
+            self.platform.quant_kernels,
+        )
+        logger.info("pooling model weights: %.1f MiB", module_bytes(self.model) / 2**20)
+        self.platform.prepare_model(self.model)
+        causal = not getattr(self.model, "is_encoder_only", False)
+        self.backend = PackedAttentionBackend(causal)
+        # The layers check that a cache is bound; this backend never reads it.
+        no_cache = torch.empty(0, device=device)
+        for layer in self.model.attention_layers():
+            layer.backend = self.backend
+            layer.kv_cache = no_cache
+
+    @torch.inference_mode()
+    def execute(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
+        """Each request's result on the CPU: [hidden] for "embed", [tokens, hidden] for
+        "token_embed"; in `inputs`' order."""
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids))
+        lengths = [len(inputs[i].token_ids) for i in order]
+        hidden = self._forward([inputs[i].token_ids for i in order], lengths)
+        pooled = normalize_rows(
+            pool(hidden, lengths, self.pooling_type), [inputs[i].normalize for i in order]
+        ).cpu()
+        results: list[torch.Tensor] = [pooled[0]] * len(inputs)
+        rows: list[torch.Tensor] | None = None
+        for rank, i in enumerate(order):
+            if inputs[i].task == "embed":
+                results[i] = pooled[rank]
+                continue
+            if rows is None:
+                rows = list(hidden.cpu().split(lengths))
+            flags = [inputs[i].normalize] * lengths[rank]
+            results[i] = normalize_rows(rows[rank], flags)
+        return results
+
+    def _forward(self, token_ids: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        device = self.device
+        flat = [t for ids in token_ids for t in ids]
+        input_ids = torch.tensor(flat, dtype=torch.long, device=device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        metadata = AttentionMetadata(
+            num_reqs=len(lengths),
+            num_actual_tokens=len(flat),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_table=torch.empty(len(lengths), 0, dtype=torch.int32, device=device),
+            slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+            max_query_len=max(lengths),
+            max_seq_len=max(lengths),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=lengths,
+            block_size=1,
+        )
+        self.backend.plan(metadata)
+        return self.model(input_ids, positions, metadata)
