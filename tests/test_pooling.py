@@ -230,13 +230,27 @@ def test_decoder_last_token_pooling_matches_hf(
         torch.testing.assert_close(normed[i], F.normalize(ref[-1], dim=-1), atol=1e-5, rtol=1e-4)
 
 
+async def _hold_engine(llm: AsyncLLM) -> threading.Event:
+    """Block the engine thread (inside a call) until the returned event is set. Returns once
+    it is blocked, so every command posted from now on waits in the queue, to be applied
+    together (in order) before the next step."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold(engine: object) -> None:
+        started.set()
+        release.wait(30)
+
+    llm._call(hold)
+    await asyncio.to_thread(started.wait, 30)
+    return release
+
+
 def test_async_embeds_batch_together(bert_dir: Path, bert_llm: LLM, one_torch_thread: None) -> None:
     expected = _embeddings(bert_llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS]))
 
     async def main(llm: AsyncLLM) -> list[EmbeddingRequestOutput]:
         # Hold the engine thread until every request is queued, so they meet in one step.
-        release = threading.Event()
-        llm._call(lambda engine: release.wait(30))
+        release = await _hold_engine(llm)
         calls = [llm.embed(ids, request_id=f"r{i}") for i, ids in enumerate(PROMPTS)]
         tasks = [asyncio.ensure_future(c) for c in calls]
         await asyncio.sleep(0.05)
@@ -253,6 +267,30 @@ def test_async_embeds_batch_together(bert_dir: Path, bert_llm: LLM, one_torch_th
     assert [out.request_id for out in outputs] == [f"r{i}" for i in range(len(PROMPTS))]
     torch.testing.assert_close(_embeddings(outputs), expected, atol=1e-5, rtol=1e-5)
     assert stats.num_steps == 1 and stats.num_finished_requests == len(PROMPTS)
+
+
+def test_async_embed_abort_and_cancel(bert_dir: Path, one_torch_thread: None) -> None:
+    from tinyvllm import RequestError
+
+    async def main(llm: AsyncLLM) -> None:
+        release = await _hold_engine(llm)
+        aborted = asyncio.ensure_future(llm.embed(PROMPTS[0], request_id="a"))
+        cancelled = asyncio.ensure_future(llm.embed(PROMPTS[1], request_id="c"))
+        kept = asyncio.ensure_future(llm.embed(PROMPTS[2], request_id="k"))
+        await asyncio.sleep(0.05)
+        llm.abort("a")
+        cancelled.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(RequestError, match="aborted"):
+            await aborted
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert len((await kept).outputs.embedding) == TINY_BERT["hidden_size"]
+        assert not await llm._call(lambda engine: engine.has_unfinished_requests())
+
+    with AsyncLLM(str(bert_dir)) as llm:
+        asyncio.run(main(llm))
 
 
 def test_async_embed_on_generative_engine(tiny_models: object) -> None:
