@@ -11,10 +11,10 @@ from tinyvllm.config import (
     DeviceConfig,
     EngineArgs,
     EngineConfig,
-    ModelConfig,
     PoolerConfig,
     SchedulerConfig,
 )
+from tinyvllm.engine.setup import model_config
 from tinyvllm.quant.config import QuantConfig
 
 # Tokens per step when the user sets no max_num_batched_tokens (raised to max_model_len).
@@ -59,18 +59,12 @@ def build_pooling_config(
             "max_num_batched_tokens or lower max_model_len"
         )
     return EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            model_path=str(checkpoint.path),
-            tokenizer=args.tokenizer or str(checkpoint.path),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            vocab_size=hf_config.vocab_size,
-            seed=args.seed,
-            hf_config=hf_config,
-            max_model_len_explicit=args.max_model_len is not None,
-            quantization=quantization,
-            requested_quantization=args.quantization,
+        model=model_config(
+            args,
+            checkpoint,
+            dtype,
+            max_model_len,
+            quantization,
             runner_type="pooling",
             pooler_config=pooler,
         ),

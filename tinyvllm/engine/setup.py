@@ -14,6 +14,7 @@ from tinyvllm.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from tinyvllm.quant.config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +55,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     max_model_len = _max_model_len(args, hf_config, kv_tokens, table_tokens, cache.block_size)
     max_batched = _max_num_batched_tokens(args, max_model_len)
     return EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            model_path=str(model_path),
-            tokenizer=args.tokenizer or str(model_path),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            vocab_size=hf_config.vocab_size,
-            seed=args.seed,
-            hf_config=hf_config,
-            max_model_len_explicit=args.max_model_len is not None,
-            quantization=quantization,
-            requested_quantization=args.quantization,
-        ),
+        model=model_config(args, checkpoint, dtype, max_model_len, quantization),
         cache=cache,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -81,6 +70,31 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             enforce_eager=args.enforce_eager,
         ),
         speculative=_speculative_config(args.speculative_config),
+    )
+
+
+def model_config(
+    args: EngineArgs,
+    checkpoint: Any,
+    dtype: str,
+    max_model_len: int,
+    quantization: QuantConfig | None,
+    **extra: Any,
+) -> ModelConfig:
+    """The ModelConfig of `checkpoint` as `args` ask for it; `extra` sets further fields."""
+    return ModelConfig(
+        model=args.model,
+        model_path=str(checkpoint.path),
+        tokenizer=args.tokenizer or str(checkpoint.path),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        vocab_size=checkpoint.hf_config.vocab_size,
+        seed=args.seed,
+        hf_config=checkpoint.hf_config,
+        max_model_len_explicit=args.max_model_len is not None,
+        quantization=quantization,
+        requested_quantization=args.quantization,
+        **extra,
     )
 
 

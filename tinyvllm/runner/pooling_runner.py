@@ -8,7 +8,6 @@ Requests run ordered by length, so the attention groups pad little.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +16,8 @@ from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.attention.packed_attn import PackedAttentionBackend
 from tinyvllm.config import EngineConfig
 from tinyvllm.models.layers.pooler import normalize_rows, pool
-from tinyvllm.models.loader import load_model, module_bytes
-from tinyvllm.platforms import Platform, select_platform
-
-logger = logging.getLogger(__name__)
+from tinyvllm.platforms import Platform
+from tinyvllm.runner.loading import load_target_model
 
 
 @dataclass(frozen=True)
@@ -34,22 +31,12 @@ class PoolingInput:
 
 class PoolingRunner:
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
-        mc = config.model
-        assert mc.pooler_config is not None and mc.pooler_config.pooling_type is not None
+        pooler = config.model.pooler_config
+        assert pooler is not None and pooler.pooling_type is not None
         self.device = device
-        self.pooling_type = mc.pooler_config.pooling_type
-        self.platform: Platform = select_platform(device, dtype, config.device.enforce_eager)
-        self.model = load_model(
-            mc.model_path,
-            mc.hf_config,
-            dtype,
-            device,
-            mc.max_model_len,
-            mc.quantization,
-            self.platform.quant_kernels,
-        )
-        logger.info("pooling model weights: %.1f MiB", module_bytes(self.model) / 2**20)
-        self.platform.prepare_model(self.model)
+        self.pooling_type = pooler.pooling_type
+        self.platform: Platform
+        self.platform, self.model = load_target_model(config, dtype, device)
         causal = not getattr(self.model, "is_encoder_only", False)
         self.backend = PackedAttentionBackend(causal)
         # The layers check that a cache is bound; this backend never reads it.
