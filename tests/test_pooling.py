@@ -245,6 +245,33 @@ async def _hold_engine(llm: AsyncLLM) -> threading.Event:
     return release
 
 
+def test_headless_backbone_pools_but_cannot_generate(
+    tmp_path: Path, tiny_models: object, one_torch_thread: None
+) -> None:
+    """A checkpoint of the base model alone (no "model." prefix, no lm_head) named as a causal
+    LM with a sentence-transformers last-token pooler: how Qwen3-Embedding ships."""
+    from transformers import AutoModel
+
+    source = Path(tiny_models["qwen3"])  # type: ignore[index]
+    base = AutoModel.from_pretrained(source, dtype=torch.float32).eval()
+    headless = tmp_path / "qwen3-embedding"
+    base.save_pretrained(headless)
+    config = json.loads((headless / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForCausalLM"]
+    (headless / "config.json").write_text(json.dumps(config))
+    for path in source.iterdir():
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            shutil.copy(path, headless / path.name)
+    with pytest.raises(ValueError, match=r"no lm_head\.weight.*runner='pooling'"):
+        LLM(str(headless), dtype="float32")
+    st_dir = _sentence_transformers_dir(headless, tmp_path / "st", "pooling_mode_lasttoken", True)
+    llm = LLM(str(st_dir), dtype="float32")  # detected from modules.json
+    got = _embeddings(llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS[:3]]))
+    with torch.no_grad():
+        want = [base(torch.tensor([ids])).last_hidden_state[0, -1] for ids in PROMPTS[:3]]
+    torch.testing.assert_close(got, F.normalize(torch.stack(want), dim=-1), atol=1e-5, rtol=1e-4)
+
+
 def test_async_embeds_batch_together(bert_dir: Path, bert_llm: LLM, one_torch_thread: None) -> None:
     expected = _embeddings(bert_llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS]))
 

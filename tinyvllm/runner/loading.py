@@ -33,5 +33,11 @@ def load_target_model(
     logger.info(
         "model weights: %.1f MiB (quantization=%s)", module_bytes(model) / 2**20, mc.quantization
     )
+    if mc.runner_type == "generate" and not getattr(model, "has_lm_head", True):
+        raise ValueError(
+            f"{mc.model_path!r} has no lm_head.weight: it is a headless backbone (an embedding "
+            "checkpoint such as Qwen3-Embedding), which cannot generate; load it with "
+            "runner='pooling'"
+        )
     platform.prepare_model(model)
     return platform, model
