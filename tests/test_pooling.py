@@ -272,20 +272,24 @@ def test_headless_backbone_pools_but_cannot_generate(
     torch.testing.assert_close(got, F.normalize(torch.stack(want), dim=-1), atol=1e-5, rtol=1e-4)
 
 
-def test_async_embeds_batch_together(bert_dir: Path, bert_llm: LLM, one_torch_thread: None) -> None:
+def test_async_embeds_batch_together(
+    bert_dir: Path, bert_llm: LLM, hf_bert_states: list[torch.Tensor], one_torch_thread: None
+) -> None:
     expected = _embeddings(bert_llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS]))
 
-    async def main(llm: AsyncLLM) -> list[EmbeddingRequestOutput]:
+    async def main(llm: AsyncLLM) -> tuple[list[EmbeddingRequestOutput], torch.Tensor]:
         # Hold the engine thread until every request is queued, so they meet in one step.
         release = await _hold_engine(llm)
         calls = [llm.embed(ids, request_id=f"r{i}") for i, ids in enumerate(PROMPTS)]
         tasks = [asyncio.ensure_future(c) for c in calls]
+        # Every token's hidden state, in the same batch as the embeddings.
+        tokens = asyncio.ensure_future(llm.encode(PROMPTS[2], PoolingParams(task="token_embed")))
         await asyncio.sleep(0.05)
         release.set()
-        return await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks), (await tokens).outputs.data
 
     with AsyncLLM(str(bert_dir)) as llm:
-        outputs = asyncio.run(main(llm))
+        outputs, token_states = asyncio.run(main(llm))
         stats = llm.get_stats()
         with pytest.raises(ValueError, match=r"60 tokens.*truncate_prompt_tokens"):
             asyncio.run(llm.embed(list(range(1, 61))))
@@ -293,7 +297,8 @@ def test_async_embeds_batch_together(bert_dir: Path, bert_llm: LLM, one_torch_th
             asyncio.run(_first(llm.generate("hi", SamplingParams(max_tokens=2))))
     assert [out.request_id for out in outputs] == [f"r{i}" for i in range(len(PROMPTS))]
     torch.testing.assert_close(_embeddings(outputs), expected, atol=1e-5, rtol=1e-5)
-    assert stats.num_steps == 1 and stats.num_finished_requests == len(PROMPTS)
+    torch.testing.assert_close(token_states, hf_bert_states[2], atol=1e-4, rtol=1e-4)
+    assert stats.num_steps == 1 and stats.num_finished_requests == len(PROMPTS) + 1
 
 
 def test_async_embed_abort_and_cancel(bert_dir: Path, one_torch_thread: None) -> None:

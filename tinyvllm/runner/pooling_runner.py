@@ -55,17 +55,16 @@ class PoolingRunner:
         pooled = normalize_rows(
             pool(hidden, lengths, self.pooling_type), [inputs[i].normalize for i in order]
         ).cpu()
-        results: list[torch.Tensor] = [pooled[0]] * len(inputs)
-        rows: list[torch.Tensor] | None = None
+        token_rows: tuple[torch.Tensor, ...] | None = None
+        results: list[torch.Tensor | None] = [None] * len(inputs)
         for rank, i in enumerate(order):
             if inputs[i].task == "embed":
                 results[i] = pooled[rank]
                 continue
-            if rows is None:
-                rows = list(hidden.cpu().split(lengths))
-            flags = [inputs[i].normalize] * lengths[rank]
-            results[i] = normalize_rows(rows[rank], flags)
-        return results
+            if token_rows is None:
+                token_rows = hidden.cpu().split(lengths)
+            results[i] = normalize_rows(token_rows[rank], [inputs[i].normalize] * lengths[rank])
+        return results  # type: ignore[return-value]  # every slot is filled
 
     def _forward(self, token_ids: list[list[int]], lengths: list[int]) -> torch.Tensor:
         device = self.device
