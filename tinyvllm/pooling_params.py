@@ -17,7 +17,7 @@ class PoolingParams:
     `truncate_prompt_tokens`: None keeps the prompt whole (a prompt longer than the model's
     max_model_len is an error), k keeps k tokens (text is truncated by the tokenizer on its
     truncation side with the special tokens kept, as sentence-transformers does; token ids
-    keep the last k, as vLLM does), -1 means k = max_model_len.
+    keep the last k, as vLLM does), -1 means k = max_model_len (as does any larger k).
     `normalize`: L2-normalize the output; None takes the model's pooler config.
     `task`: "embed" (one vector) or "token_embed" (every token's hidden state); None means
     "embed".
