@@ -120,8 +120,9 @@ class AsyncLLM:
         or detected). A bad prompt raises ValueError (too long: pass truncate_prompt_tokens); a
         failed step raises RequestError. Cancelling the call aborts the request.
         """
+        self._require_pooling("embed")
         params = PoolingParams(truncate_prompt_tokens, normalize, task="embed")
-        return EmbeddingRequestOutput.from_base(await self.encode(prompt, params, request_id))
+        return EmbeddingRequestOutput.from_base(await self._pool(prompt, params, request_id))
 
     async def encode(
         self,
@@ -131,8 +132,13 @@ class AsyncLLM:
     ) -> PoolingRequestOutput[PoolingOutput]:
         """One pooling request: `.outputs.data` is its embedding or, with
         `PoolingParams(task="token_embed")`, every token's hidden state."""
-        self._require_pooling("encode" if pooling_params is None else pooling_params.task)
+        self._require_pooling("encode")
         params = pooling_params.clone() if pooling_params is not None else PoolingParams()
+        return await self._pool(prompt, params, request_id)
+
+    async def _pool(
+        self, prompt: PromptType, params: PoolingParams, request_id: str | None
+    ) -> PoolingRequestOutput[PoolingOutput]:
         outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
         sink = Sink(new_request_id(request_id), outputs.put_nowait, asyncio.get_running_loop())
         future = CommandFuture()
@@ -151,11 +157,11 @@ class AsyncLLM:
             raise RequestError(item.request_id, "the request was aborted", item)
         return item
 
-    def _require_pooling(self, what: str | None) -> None:
+    def _require_pooling(self, what: str) -> None:
         if self.engine.runner_type != "pooling":
             model = self.engine.config.model.model
             raise ValueError(
-                f"{what or 'embed'}() needs a pooling model, but {model!r} runs as a generative "
+                f"{what}() needs a pooling model, but {model!r} runs as a generative "
                 f"model here; create the engine with runner='pooling' (e.g. "
                 f"AsyncLLM({model!r}, runner='pooling')) to pool its hidden states"
             )
