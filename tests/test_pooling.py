@@ -196,6 +196,22 @@ def test_truncation(bert_llm: LLM, bert_dir: Path) -> None:
         bert_llm.embed("hello", truncate_prompt_tokens=0)
 
 
+def test_failed_step_raises_and_the_engine_goes_on(
+    bert_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = bert_llm.engine.runner
+
+    def broken(inputs: object) -> None:
+        raise RuntimeError("kernel exploded")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "execute", broken)
+        with pytest.raises(RuntimeError, match=r"prompt 0 .*failed: model step failed.*exploded"):
+            bert_llm.embed([PROMPTS[0], PROMPTS[1]])
+    assert not bert_llm.engine.has_unfinished_requests()
+    assert len(bert_llm.embed([PROMPTS[0]])[0].outputs.embedding) == TINY_BERT["hidden_size"]
+
+
 def test_wrong_runner_errors(bert_llm: LLM, bert_dir: Path, tiny_models: object) -> None:
     with pytest.raises(
         ValueError, match=r"generate\(\) needs a generative model.*runner='pooling'"

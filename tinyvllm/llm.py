@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tinyvllm.config import EngineArgs
@@ -140,13 +141,12 @@ class LLM:
         tokens (-1: max_model_len); without it a longer prompt is an error. `normalize`
         overrides the model's pooler (None: as the checkpoint says).
         """
-        params = pooling_params.clone() if pooling_params is not None else PoolingParams()
-        if truncate_prompt_tokens is not None:
-            params.truncate_prompt_tokens = truncate_prompt_tokens
-        if normalize is not None:
-            params.normalize = normalize
-        params.task = "embed"
-        params.__post_init__()  # the overrides are validated like constructor values
+        params = _pooling_params(
+            pooling_params,
+            task="embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            normalize=normalize,
+        )
         outputs = self._pool(prompts, params, use_tqdm, "embed")
         return [EmbeddingRequestOutput.from_base(out) for out in outputs]
 
@@ -162,11 +162,10 @@ class LLM:
         """Per prompt, `out.outputs.data`: every token's last hidden state [tokens, hidden]
         (pooling_task="token_embed", not normalized unless pooling_params say so), or the
         pooled embedding (pooling_task="embed")."""
-        params = pooling_params.clone() if pooling_params is not None else PoolingParams()
-        if truncate_prompt_tokens is not None:
-            params.truncate_prompt_tokens = truncate_prompt_tokens
-        params.task = params.task or pooling_task
-        params.__post_init__()
+        task = pooling_params.task if pooling_params is not None else None
+        params = _pooling_params(
+            pooling_params, task=task or pooling_task, truncate_prompt_tokens=truncate_prompt_tokens
+        )
         return self._pool(prompts, params, use_tqdm, "encode")
 
     def _pool(
@@ -258,3 +257,9 @@ def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]
     ):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _pooling_params(params: PoolingParams | None, **overrides: Any) -> PoolingParams:
+    """`params` (or the defaults) with the overrides that are not None, validated again."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    return replace(params if params is not None else PoolingParams(), **given)
