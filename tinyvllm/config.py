@@ -7,6 +7,46 @@ from typing import Any
 
 from tinyvllm.quant.config import QuantConfig, parse_quantization
 
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one vector (vLLM's names).
+
+    None fields take the checkpoint's sentence-transformers config (1_Pooling/config.json and
+    a Normalize module in modules.json), else the model kind's default: CLS for encoders,
+    LAST for decoders, normalized.
+    """
+
+    pooling_type: str | None = None  # "MEAN" | "CLS" | "LAST"
+    normalize: bool | None = None
+
+    @classmethod
+    def from_value(cls, value: PoolerConfig | dict[str, Any] | None) -> PoolerConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"pooling_type", "normalize"})
+            if unknown:
+                raise ValueError(
+                    f"pooler_config has unknown key(s) {unknown}; it takes pooling_type and "
+                    "normalize"
+                )
+            value = cls(**value)
+        if not isinstance(value, cls):
+            raise TypeError(f"pooler_config must be a PoolerConfig or a dict, got {value!r}")
+        if value.pooling_type is not None:
+            kind = str(value.pooling_type).upper()
+            if kind not in POOLING_TYPES:
+                raise ValueError(
+                    f"pooler_config pooling_type={value.pooling_type!r} is not supported; "
+                    f"choose one of {', '.join(POOLING_TYPES)}"
+                )
+            value = PoolerConfig(kind, value.normalize)
+        return value
+
 
 @dataclass
 class ModelConfig:
@@ -28,6 +68,10 @@ class ModelConfig:
     requested_quantization: str | None = None
     # EVS: the share of video tokens dropped after the vision encoder (0 = off).
     video_pruning_rate: float = 0.0
+    # "generate" (the LLM path) or "pooling" (embeddings: no KV cache, no sampling), and for
+    # pooling how prompts are pooled (resolved: every field set).
+    runner_type: str = "generate"
+    pooler_config: PoolerConfig | None = None
 
 
 @dataclass
@@ -103,6 +147,11 @@ class EngineArgs:
     # EVS (Efficient Video Sampling) for video VLMs: drop this share of the video tokens that
     # change least from the previous frame, after the vision encoder; None or 0 = off.
     video_pruning_rate: float | None = None
+    # "auto": pooling for encoder-only checkpoints (BertModel) and sentence-transformers
+    # directories (modules.json), else generate.
+    runner: str = "auto"
+    # Overrides the checkpoint's pooling (pooling models only): PoolerConfig or a dict.
+    pooler_config: PoolerConfig | dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -134,6 +183,9 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         parse_quantization(self.quantization)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        PoolerConfig.from_value(self.pooler_config)
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"

@@ -123,6 +123,8 @@ class EngineBackend:
         entries = catalog.search(query) if query.strip() else catalog.entries
         rows = []
         for entry in entries:
+            if not entry.chat:  # embedding models (e.g. all-MiniLM-L6-v2) cannot chat
+                continue
             local = locate(entry)
             rows.append(
                 CatalogRow(

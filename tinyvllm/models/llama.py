@@ -273,6 +273,8 @@ class LlamaForCausalLM(nn.Module):
         self.quant_config = quant_config
         self.model = self.build_language_model(config, max_model_len, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # False once a checkpoint without its (untied) lm_head is loaded: pooling only.
+        self.has_lm_head = True
         head_quant = None if quant_config is None else quant_config.output_config()
         self.lm_head = ReplicatedLinear(
             config.hidden_size, config.vocab_size, bias=False, quant_config=head_quant
@@ -335,13 +337,18 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]]) -> None:
         """Copy checkpoint tensors, streamed one by one, into the parameters (quantized
-        layers also take raw GGUF blocks)."""
-        load_named_weights(
+        layers also take raw GGUF blocks). A headless backbone (the base model saved alone,
+        as Qwen3-Embedding ships: no "model." prefix, no lm_head) loads too; it can pool but
+        not generate (`has_lm_head` False when its untied lm_head is missing)."""
+        names = _BackboneNames()
+        skipped = load_named_weights(
             self,
-            weights,  # type: ignore[arg-type]
+            names.prefixed(weights),  # type: ignore[arg-type]
             stacked_params=self.stacked_params,
             ignore=self._ignored_checkpoint_tensor,
+            optional=lambda name: names.headless and name == "lm_head.weight",
         )
+        self.has_lm_head = "lm_head.weight" not in skipped
         self._check_norms_finite()
         finalize_quantized_weights(self)
 
@@ -354,6 +361,21 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name}.weight holds NaN or infinite values "
                     "(a corrupt file?)"
                 )
+
+
+class _BackboneNames:
+    """Maps a headless backbone's tensor names ("layers.0...", "embed_tokens.weight") onto
+    the model's ("model.layers.0..."), noting whether the checkpoint was one."""
+
+    def __init__(self) -> None:
+        self.headless = False
+
+    def prefixed(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        for name, tensor in weights:
+            if not name.startswith(("model.", "lm_head.")):
+                self.headless = True
+                name = f"model.{name}"
+            yield name, tensor
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -21,6 +21,9 @@ class ModelEntry:
     # (plain text), later e.g. "mrope" for video VLMs or "mamba_hybrid" for models with
     # recurrent state.
     state_kind: str = "default"
+    # What the model can run as: "generate" (text, with a KV cache) and/or "pooling"
+    # (embeddings; decoders pool their hidden states, encoders have nothing else).
+    runners: tuple[str, ...] = ("generate", "pooling")
 
     def load_class(self) -> type[nn.Module]:
         # Imported lazily so that listing architectures never pulls in every model file.
@@ -28,9 +31,11 @@ class ModelEntry:
 
 
 _LLAMA = "tinyvllm.models.llama"
+_BERT = "tinyvllm.models.bert"
 
 _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
+        "BertModel": ModelEntry(_BERT, "BertModel", runners=("pooling",)),
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),

@@ -17,9 +17,9 @@ import torch
 from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tinyvllm.models.loader import load_model, module_bytes
+from tinyvllm.models.loader import module_bytes
 from tinyvllm.models.registry import resolve_architecture
-from tinyvllm.platforms import Platform, select_platform
+from tinyvllm.platforms import Platform
 from tinyvllm.runner.cuda_graphs import (
     CudaGraphDispatcher,
     CudaGraphRunner,
@@ -29,6 +29,7 @@ from tinyvllm.runner.cuda_graphs import (
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import KVCacheSize, allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.loading import load_target_model
 from tinyvllm.runner.model_states import ModelInputs, ModelState, create_model_state
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
@@ -56,21 +57,9 @@ class ModelRunner:
         mc = config.model
         self.block_size = config.cache.block_size
         # Every device-specific kernel choice is made here, once (see tinyvllm/platforms/).
-        self.platform: Platform = select_platform(device, dtype, config.device.enforce_eager)
-        self.model = load_model(
-            mc.model_path,
-            mc.hf_config,
-            dtype,
-            device,
-            mc.max_model_len,
-            mc.quantization,
-            self.platform.quant_kernels,
-        )
+        self.platform: Platform
+        self.platform, self.model = load_target_model(config, dtype, device)
         self.weight_bytes = module_bytes(self.model)
-        logger.info(
-            "model weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20, mc.quantization
-        )
-        self.platform.prepare_model(self.model)
         state_kind = resolve_architecture(mc.hf_config)[1].state_kind
         self.model_state: ModelState = create_model_state(
             state_kind, self.model, config.scheduler.max_num_seqs, device, mc.video_pruning_rate

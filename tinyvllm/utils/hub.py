@@ -21,4 +21,10 @@ HUB_ALLOW_PATTERNS: tuple[str, ...] = (
     # Vision-language models: image / video preprocessing parameters.
     "preprocessor_config.json",
     "video_preprocessor_config.json",
+    # sentence-transformers: how an embedding model pools (modules.json, 1_Pooling/...).
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "*_Pooling/config.json",
+    "vocab.txt",
 )
