@@ -37,6 +37,10 @@ def test_missing_extra_says_how_to_install(
         (["--speculative-config", "[1]"], "must be a JSON object"),
         (["--chat-template", "/no/such/template.jinja"], "--chat-template"),
         (["--model", "other"], "two models given"),
+        (["--video-pruning-rate", "1.5"], "--video-pruning-rate: video_pruning_rate must be"),
+        (["--video-pruning-rate", "-0.1"], "in [0, 1)"),
+        (["--video-pruning-rate", "nan"], "got nan"),
+        (["--max-num-seqs", "0"], "--max-num-seqs: max_num_seqs must be at least 1"),
     ],
 )
 def test_bad_flags_fail_before_loading(
@@ -66,6 +70,28 @@ def test_flags_become_engine_arguments() -> None:
     }
     defaults = build_parser().parse_args(["serve"])
     assert serve_engine_kwargs(defaults) == {}  # the engine's (and catalog's) defaults stand
+
+
+def test_bad_runner_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", NO_SUCH_MODEL, "--runner", "embed"])
+    assert exit_info.value.code == 2
+    assert "--runner: invalid choice: 'embed'" in capsys.readouterr().err
+
+
+def test_runner_and_video_pruning_rate_reach_the_engine(tiny_models: Any) -> None:
+    """`serve`'s setup (flag parsing, checks, model resolution) hands both to the engine."""
+    from tinyvllm.cli import serve_setup
+
+    path = str(tiny_models["llama"])
+    args = build_parser().parse_args(
+        ["serve", path, "--runner", "pooling", "--video-pruning-rate", "0.25"]
+    )
+    model, kwargs, _ = serve_setup(args)
+    assert model == path
+    assert kwargs["runner"] == "pooling" and kwargs["video_pruning_rate"] == 0.25
+    _, auto, _ = serve_setup(build_parser().parse_args(["serve", path]))
+    assert "runner" not in auto and "video_pruning_rate" not in auto  # the engine's defaults
 
 
 def test_api_key_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
-"""The server in front of a pooling engine, with a stand-in for the engine (the pooling runner
-is its own work): /v1/embeddings' shapes through the official client (which asks for base64
-by default and decodes it), batching, errors, and generation refused with a 400."""
+"""The server in front of a pooling engine: with a stand-in for the engine, /v1/embeddings'
+shapes through the official client (which asks for base64 by default and decodes it), batching,
+errors, and generation refused with a 400; then real pooling engines started as `tinyvllm serve`
+starts them (auto-detected BERT, `--runner pooling` on a decoder), with their /metrics."""
 
 from __future__ import annotations
 
@@ -114,18 +115,37 @@ def test_embedding_errors_and_generation_refused(client: Any) -> None:
         )
 
 
+def _served(argv: list[str]) -> Any:
+    """The ServerState `tinyvllm serve ARGV` would serve (real flag parsing and checks)."""
+    from tinyvllm.cli import build_parser, serve_setup
+    from tinyvllm.server.cli import load_server_state
+
+    args = build_parser().parse_args(["serve", *argv, "--device", "cpu"])
+    return load_server_state(args, *serve_setup(args))
+
+
+def _samples(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics") as response:
+        text = response.read().decode()
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in text.splitlines())
+        if not name.startswith("#")
+    }
+
+
 def test_a_real_pooling_engine(tmp_path: Any, tokenizer_dir: Any, one_torch_thread: None) -> None:
-    """Once pooling models exist (AsyncLLM.embed): a tiny random BERT served for real gives the
-    embeddings `LLM.embed` gives, and its context limit is a 400."""
+    """`tinyvllm serve BERT_DIR` detects the pooling model (no --runner) and gives through the
+    client the embeddings `LLM.embed` gives; its context limit is a 400, and /metrics counts
+    the pooling requests (one per input, refused ones not) and their prompt tokens."""
     import shutil
     from pathlib import Path
 
-    from tinyvllm import LLM
-    from tinyvllm.engine.async_llm import AsyncLLM
-
-    if not hasattr(AsyncLLM, "embed"):
-        pytest.skip("this tinyvllm has no pooling models yet (AsyncLLM.embed)")
     from transformers import BertConfig, BertModel
+
+    from tinyvllm import LLM
 
     config = BertConfig(
         vocab_size=2000,
@@ -141,9 +161,9 @@ def test_a_real_pooling_engine(tmp_path: Any, tokenizer_dir: Any, one_torch_thre
             shutil.copy(path, tmp_path / path.name)
     texts = ["hello sea", "a b c d e f"]
     reference = [out.outputs.embedding for out in LLM(str(tmp_path)).embed(texts)]
-    engine = AsyncLLM(str(tmp_path))
+    state = _served([str(tmp_path), "--served-model-name", "bert"])
     try:
-        state = ServerState(engine=engine, model_names=["bert"], model_path=str(tmp_path))
+        assert state.is_pooling
         with ServerThread(build_app(state)) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
             out = client.embeddings.create(model="bert", input=texts)
@@ -153,5 +173,39 @@ def test_a_real_pooling_engine(tmp_path: Any, tokenizer_dir: Any, one_torch_thre
                 client.embeddings.create(model="bert", input="x " * 100)
             with pytest.raises(openai.BadRequestError, match="embedding model"):
                 client.completions.create(model="bert", prompt="x")
+            samples = _samples(server.url)
+        label = '{model_name="bert"}'
+        stats = state.engine.get_stats()
+        assert samples[f"tinyvllm:prompt_tokens_total{label}"] == out.usage.prompt_tokens
+        assert stats.total_prompt_tokens == out.usage.prompt_tokens
+        assert samples[f"tinyvllm:generation_tokens_total{label}"] == 0
+        assert samples[f"tinyvllm:num_requests_running{label}"] == 0
+        assert samples[f"tinyvllm:num_requests_waiting{label}"] == 0
+        assert samples[f"tinyvllm:kv_cache_usage_perc{label}"] == 0
+        success = 'tinyvllm:request_success_total{model_name="bert",finished_reason="stop"}'
+        assert samples[success] == len(texts)
+        assert samples[f"tinyvllm:e2e_request_latency_seconds_count{label}"] == len(texts)
+        assert samples[f"tinyvllm:time_to_first_token_seconds_count{label}"] == 0
     finally:
-        engine.shutdown()
+        state.engine.shutdown()
+
+
+def test_serve_runner_pooling_on_a_decoder(tiny_models: Any, one_torch_thread: None) -> None:
+    """`--runner pooling` serves a decoder checkpoint (which auto-detection runs for generation)
+    as a last-token embedding model, equal to `LLM(..., runner="pooling").embed`."""
+    from tinyvllm import LLM
+
+    path = str(tiny_models["qwen3"])
+    texts = ["the sea is calm", "tokens"]
+    llm = LLM(path, runner="pooling", dtype="float32", device="cpu")
+    reference = [out.outputs.embedding for out in llm.embed(texts)]
+    state = _served([path, "--runner", "pooling", "--dtype", "float32"])
+    try:
+        assert state.is_pooling
+        with ServerThread(build_app(state)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+            out = client.embeddings.create(model=path, input=texts, encoding_format="float")
+        for got, want in zip(out.data, reference, strict=True):
+            assert got.embedding == pytest.approx(want, rel=1e-4, abs=1e-5)
+    finally:
+        state.engine.shutdown()

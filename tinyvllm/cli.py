@@ -71,6 +71,21 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
+    """The engine arguments' own checks (ranges, choices), run before the model is resolved
+    or loaded, so a bad flag fails at once rather than after a download or a load."""
+    from tinyvllm.config import EngineArgs
+
+    try:
+        EngineArgs.from_kwargs("<model>", **kwargs).validate()
+    except ValueError as exc:
+        # Name the flag the user typed, not only the engine argument behind it.
+        name = next((k for k in kwargs if str(exc).startswith(k)), None)
+        if name is None:
+            raise
+        raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
+
+
 def resolve_cli_model(
     spec: str | None,
     engine_kwargs: dict[str, Any],
@@ -249,22 +264,27 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 130
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_setup(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
+    """`tinyvllm serve`'s (model path, engine kwargs, label), every flag checked before a
+    model is resolved or loaded."""
     from tinyvllm.server.cli import (
         check_installed,
         model_spec,
         read_chat_template,
-        run_server,
         serve_engine_kwargs,
     )
 
-    check_installed()  # before a model load, as are the flag checks below
+    check_installed()
     read_chat_template(args.chat_template)
     engine_kwargs = {**_engine_kwargs(args), **serve_engine_kwargs(args)}
-    model, kwargs, label = resolve_cli_model(
-        model_spec(args), engine_kwargs, args.revision, args.gguf_file
-    )
-    return run_server(args, model, kwargs, label)
+    check_engine_kwargs(engine_kwargs)
+    return resolve_cli_model(model_spec(args), engine_kwargs, args.revision, args.gguf_file)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tinyvllm.server.cli import run_server
+
+    return run_server(args, *serve_setup(args))
 
 
 def add_tui_arguments(parser: argparse.ArgumentParser) -> None:

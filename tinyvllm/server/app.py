@@ -104,8 +104,11 @@ def build_app(state: ServerState) -> FastAPI:
             return Response(status_code=_CLIENT_CLOSED)
 
     @app.post("/v1/embeddings", response_model=None)
-    async def embeddings(req: EmbeddingRequest) -> Any:
-        return await create_embedding(state, req)
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Any:
+        try:
+            return await create_embedding(state, req, raw)
+        except ClientGone:
+            return Response(status_code=_CLIENT_CLOSED)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

@@ -13,7 +13,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tinyvllm.server.serving import ServerState
 
 API_KEY_ENV = "TINYVLLM_API_KEY"
 INSTALL_HINT = "pip install 'tinyvllm[serve]' (or: pip install fastapi uvicorn)"
@@ -125,24 +128,20 @@ def model_spec(args: argparse.Namespace) -> str | None:
     return args.model_tag or args.model
 
 
-def run_server(
+def load_server_state(
     args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any], label: str
-) -> int:
-    """Load the engine, serve until Ctrl-C (uvicorn's), shut the engine down."""
-    chat_template = read_chat_template(args.chat_template)
-
-    import uvicorn
-
+) -> ServerState:
+    """Start the engine (runner auto-detected unless --runner says) and the routes' state;
+    the caller shuts `state.engine` down."""
     from tinyvllm.chat.defaults import model_sampling_defaults
     from tinyvllm.engine.async_llm import AsyncLLM
-    from tinyvllm.server.app import build_app
     from tinyvllm.server.serving import ServerState
 
-    print(f"loading {label} ...", file=sys.stderr, flush=True)
+    chat_template = read_chat_template(args.chat_template)
     engine = AsyncLLM(model, **engine_kwargs)
     try:
         model_path = engine.engine.config.model.model_path
-        state = ServerState(
+        return ServerState(
             engine=engine,
             model_names=args.served_model_name or [model_spec(args) or label],
             model_path=model_path,
@@ -150,8 +149,25 @@ def run_server(
             chat_template=chat_template,
             sampling_defaults=model_sampling_defaults(model_path),
         )
+    except BaseException:
+        engine.shutdown()
+        raise
+
+
+def run_server(
+    args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any], label: str
+) -> int:
+    """Load the engine, serve until Ctrl-C (uvicorn's), shut the engine down."""
+    import uvicorn
+
+    from tinyvllm.server.app import build_app
+
+    print(f"loading {label} ...", file=sys.stderr, flush=True)
+    state = load_server_state(args, model, engine_kwargs, label)
+    try:
+        kind = "embedding model " if state.is_pooling else ""
         print(
-            f"serving {state.model_name} at http://{args.host}:{args.port}/v1",
+            f"serving {kind}{state.model_name} at http://{args.host}:{args.port}/v1",
             file=sys.stderr,
             flush=True,
         )
@@ -159,5 +175,5 @@ def run_server(
             build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level
         )
     finally:
-        engine.shutdown()
+        state.engine.shutdown()
     return 0

@@ -13,9 +13,17 @@ import base64
 import struct
 from typing import Any
 
+from fastapi import Request
+
 from tinyvllm.server.errors import bad_request
 from tinyvllm.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
-from tinyvllm.server.serving import ServerState, engine_prompts, new_id
+from tinyvllm.server.serving import (
+    ServerState,
+    counted_request,
+    engine_prompts,
+    new_id,
+    unless_disconnected,
+)
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:
@@ -24,7 +32,9 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-async def create_embedding(state: ServerState, req: EmbeddingRequest) -> EmbeddingResponse:
+async def create_embedding(
+    state: ServerState, req: EmbeddingRequest, raw: Request
+) -> EmbeddingResponse:
     state.check_model(req.model)
     embed = getattr(state.engine, "embed", None)
     if embed is None or not state.is_pooling:
@@ -40,17 +50,25 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest) -> Embeddi
     inputs = engine_prompts(req.input, "input")
 
     async def one(i: int, prompt: Any) -> Any:
-        try:
-            return await embed(
+        # One request per input, counted as the generating routes count theirs.
+        with counted_request(state.metrics, "input") as outcome:
+            out = await embed(
                 prompt,
                 request_id=f"{request_id}-{i}",
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 normalize=req.normalize,
             )
-        except ValueError as exc:
-            raise bad_request(str(exc), "input") from None
+            outcome.reason = "stop"  # a pooling request ends with its one forward pass
+            return out
 
-    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(inputs)))
+    tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(inputs)]
+    try:
+        outputs = await unless_disconnected(raw, asyncio.gather(*tasks))
+    finally:
+        # One failed prompt (or a client gone) aborts the batch's other prompts.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     data = [
         EmbeddingData(index=i, embedding=_encode(list(out.outputs.embedding), req.encoding_format))
         for i, out in enumerate(outputs)

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -61,6 +61,12 @@ class ServerState:
         """Whether the engine runs a pooling (embedding) model rather than a generative one."""
         return getattr(self.engine.engine, "runner_type", "generate") == "pooling"
 
+    @property
+    def accepts_media(self) -> bool:
+        """Whether the model takes images and videos (a vision-language model)."""
+        processor = getattr(self.engine.engine, "mm_processor", None)
+        return bool(getattr(processor, "enabled", False))
+
     def check_generative(self, name: str | None) -> None:
         """`check_model`, and a 400 when this server's model cannot generate."""
         self.check_model(name)
@@ -107,10 +113,9 @@ async def run_request(
     """Stream one request's DELTA outputs; records the latency metrics, maps engine errors to
     API errors, and aborts the request when the caller stops iterating."""
     metrics = state.metrics
-    start = last = time.monotonic()
-    seen_token = False
-    reason = "abort"
-    try:
+    with counted_request(metrics, "prompt") as outcome:
+        start = last = outcome.start
+        seen_token = False
         async with contextlib.aclosing(state.engine.generate(prompt, params, request_id)) as it:
             async for out in it:
                 now = time.monotonic()
@@ -123,21 +128,40 @@ async def run_request(
                 if seen_token:
                     last = now
                 if out.finished:
-                    reason = "error" if out.error else _reason(out)
+                    outcome.reason = "error" if out.error else _reason(out)
                 yield out
-    except ValueError as exc:  # a prompt the engine refused (too long, bad ids, ...)
-        reason = "rejected"
-        raise APIError(400, str(exc), "prompt") from None
+
+
+@dataclass
+class Outcome:
+    """How one engine request ended, for the metrics ("abort" until it ends otherwise)."""
+
+    reason: str = "abort"
+    start: float = field(default_factory=time.monotonic)
+
+
+@contextlib.contextmanager
+def counted_request(metrics: ServerMetrics, param: str) -> Iterator[Outcome]:
+    """Around one engine request: maps what the engine raises to API errors (a prompt it
+    refused, e.g. too long or with bad media, is the client's 400 naming `param`; a failed
+    step 500; a stopped engine 503) and records the request's end in the metrics. A refused
+    prompt never became a request, so it is not counted."""
+    outcome = Outcome()
+    try:
+        yield outcome
+    except ValueError as exc:
+        outcome.reason = "rejected"
+        raise APIError(400, str(exc), param) from None
     except RequestError as exc:
-        reason = "error"
+        outcome.reason = "error"
         raise APIError(500, f"the request failed in the engine: {exc}") from None
     except EngineDeadError as exc:
-        reason = "error"
+        outcome.reason = "error"
         raise APIError(503, f"the engine has stopped: {exc}") from None
     finally:
-        if reason != "rejected":
-            metrics.e2e.observe(time.monotonic() - start)
-            metrics.request_finished(reason)
+        if outcome.reason != "rejected":
+            metrics.e2e.observe(time.monotonic() - outcome.start)
+            metrics.request_finished(outcome.reason)
 
 
 def _reason(out: RequestOutput) -> str:
