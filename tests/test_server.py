@@ -4,6 +4,7 @@ usage, n, stop strings, logprobs, tokenize, metrics, auth, error statuses, disco
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -298,6 +299,31 @@ def test_server_chat_template(engine: AsyncLLM) -> None:
     assert out["tokens"] == engine.get_tokenizer().encode("<hi>", add_special_tokens=False)
 
 
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 1 / 0 }}",  # Python errors inside template code, not only Jinja's own
+        "{% for m in messages %}{{ m.content + 1 }}{% endfor %}",
+        "{{ raise_exception('roles must alternate') }}",
+        "{% for m in messages %}{{ m.content | int(1, 2, 3) }}{% endfor %}",
+    ],
+)
+def test_failing_chat_template_is_a_400_sparing_others(client: Any, template: str) -> None:
+    """A request whose template fails on rendering gets a 400 in OpenAI's shape while a
+    request streaming at the same time finishes with the text it gives alone."""
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, **GREEDY}
+    alone = client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    texts = [c.choices[0].delta.content or "" for c in itertools.islice(stream, 3)]
+    with pytest.raises(openai.BadRequestError, match="chat template failed") as failed:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, extra_body={"chat_template": template}
+        )
+    assert failed.value.body["param"] == "messages"
+    texts += [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(texts) == alone
+
+
 def _error(response: Any) -> dict[str, Any]:
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -329,7 +355,7 @@ def test_error_statuses(client: Any, server: ServerThread) -> None:
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    with pytest.raises(openai.BadRequestError, match="only text parts"):
+    with pytest.raises(openai.BadRequestError, match="text-only and cannot take image"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [image]}])
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
         client.embeddings.create(model=MODEL, input="hello")

@@ -214,7 +214,7 @@ def render_chat_template(
     """`tokenizer.apply_chat_template(messages, tokenize=False, ...)` under `limits`.
 
     Raises ChatTemplateError (a ValueError) for a template that is not valid, raises an
-    exception itself, or runs past the time or size limit.
+    exception itself (or fails on the data it is given), or runs past the time or size limit.
     """
     source = tokenizer.get_chat_template(chat_template, kwargs.get("tools"))
     template = _compile(source, limits)
@@ -246,6 +246,10 @@ def render_chat_template(
         raise
     except TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed: {exc}") from None
+    except Exception as exc:
+        # Template code can fail like any code (`1 / 0`, `'a' + 1` on a message's content):
+        # that is the request's template or data at fault, so the caller's error, not a crash.
+        raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
     text = "".join(parts)
     return _cut_after_final_message(text, chat) if continue_final_message else text
 
