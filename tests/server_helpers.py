@@ -11,6 +11,16 @@ from typing import Any
 from tinyvllm.engine.engine import Engine
 
 
+def served_state(argv: list[str]) -> Any:
+    """The ServerState `tinyvllm serve ARGV --device cpu` would serve, through the command's
+    own flag parsing, checks and model resolution; the caller shuts `state.engine` down."""
+    from tinyvllm.cli import build_parser, serve_setup
+    from tinyvllm.server.cli import load_server_state
+
+    args = build_parser().parse_args(["serve", *argv, "--device", "cpu"])
+    return load_server_state(args, *serve_setup(args))
+
+
 class ServerThread:
     """`with ServerThread(app) as server:` serves `app` at `server.url` until the block ends."""
 

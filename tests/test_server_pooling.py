@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from server_helpers import ServerThread  # noqa: E402
+from server_helpers import ServerThread, served_state  # noqa: E402
 
 from tinyvllm.server.app import build_app  # noqa: E402
 from tinyvllm.server.serving import ServerState  # noqa: E402
@@ -115,15 +115,6 @@ def test_embedding_errors_and_generation_refused(client: Any) -> None:
         )
 
 
-def _served(argv: list[str]) -> Any:
-    """The ServerState `tinyvllm serve ARGV` would serve (real flag parsing and checks)."""
-    from tinyvllm.cli import build_parser, serve_setup
-    from tinyvllm.server.cli import load_server_state
-
-    args = build_parser().parse_args(["serve", *argv, "--device", "cpu"])
-    return load_server_state(args, *serve_setup(args))
-
-
 def _samples(url: str) -> dict[str, float]:
     import urllib.request
 
@@ -161,7 +152,7 @@ def test_a_real_pooling_engine(tmp_path: Any, tokenizer_dir: Any, one_torch_thre
             shutil.copy(path, tmp_path / path.name)
     texts = ["hello sea", "a b c d e f"]
     reference = [out.outputs.embedding for out in LLM(str(tmp_path)).embed(texts)]
-    state = _served([str(tmp_path), "--served-model-name", "bert"])
+    state = served_state([str(tmp_path), "--served-model-name", "bert"])
     try:
         assert state.is_pooling
         with ServerThread(build_app(state)) as server:
@@ -199,7 +190,7 @@ def test_serve_runner_pooling_on_a_decoder(tiny_models: Any, one_torch_thread: N
     texts = ["the sea is calm", "tokens"]
     llm = LLM(path, runner="pooling", dtype="float32", device="cpu")
     reference = [out.outputs.embedding for out in llm.embed(texts)]
-    state = _served([path, "--runner", "pooling", "--dtype", "float32"])
+    state = served_state([path, "--runner", "pooling", "--dtype", "float32"])
     try:
         assert state.is_pooling
         with ServerThread(build_app(state)) as server:

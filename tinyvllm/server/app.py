@@ -6,6 +6,7 @@ its own loop thread, so the app holds no second engine loop: each route just str
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any
 
@@ -146,7 +147,10 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
         )
-        ids = (await chat_prompt(state, chat))["prompt_token_ids"]
+        prompt = await chat_prompt(state, chat)
+        ids = prompt["prompt_token_ids"]
+        if "multi_modal_data" in prompt:  # count each image/video as the tokens it becomes
+            ids = await _expand_media(state, ids, prompt["multi_modal_data"])
     else:
         ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -154,3 +158,13 @@ async def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
         state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     )
     return body
+
+
+async def _expand_media(state: ServerState, ids: list[int], media: dict[str, Any]) -> list[int]:
+    """The prompt ids with each placeholder expanded as the engine would (off the event loop:
+    media are decoded and preprocessed)."""
+    try:
+        expanded, _ = await asyncio.to_thread(state.engine.engine.mm_processor.process, ids, media)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return expanded

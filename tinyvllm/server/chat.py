@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from tinyvllm.engine.engine import check_text
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.server.chat_media import chat_messages
 from tinyvllm.server.errors import bad_request
 from tinyvllm.server.protocol import (
     AssistantMessage,
@@ -39,24 +40,6 @@ from tinyvllm.server.serving import (
 from tinyvllm.utils.chat_template import render_chat_template
 
 
-def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
-    """A message as the template sees it; content parts must be text (no images here)."""
-    data = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(
-                    f"messages[{index}].content: only text parts are supported by this model, "
-                    f"got a part of type {part.get('type')!r}",
-                    f"messages[{index}].content",
-                )
-            texts.append(part["text"])
-        data["content"] = "\n".join(texts)
-    return data
-
-
 def render_prompt(
     state: ServerState,
     messages: list[ChatMessage],
@@ -74,16 +57,22 @@ def render_prompt(
             "this model's tokenizer has no chat template; start the server with "
             "--chat-template FILE or use /v1/completions"
         )
+    flat, media = chat_messages(
+        [m.model_dump(exclude_none=True) for m in messages], state.accepts_media, state.model_name
+    )
     text = render_chat_template(
         tokenizer,
-        [_message_dict(m, i) for i, m in enumerate(messages)],
+        flat,
         chat_template=template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         **template_kwargs,
     )
     ids = tokenizer.encode(check_text(text, "the chat"), add_special_tokens=add_special_tokens)
-    return {"prompt": text, "prompt_token_ids": ids}
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+    if media:  # the engine expands each placeholder to its item's tokens
+        prompt["multi_modal_data"] = media
+    return prompt
 
 
 async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> dict[str, Any]:
