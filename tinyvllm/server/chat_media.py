@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from tinyvllm.multimodal.media import resolve_media
+from PIL import Image
+
+from tinyvllm.multimodal.media import load_image, resolve_media
 from tinyvllm.server.errors import APIError, bad_request
 from tinyvllm.utils.content_parts import split_content_parts
 
@@ -76,8 +78,10 @@ def _checked_part(part: Any, where: str, accepts_media: bool, model_name: str) -
     return {"type": kind, kind: {"url": _local_media(url, modality, where)}}
 
 
-def _local_media(url: str, modality: str, where: str) -> Path | bytes:
-    """The bytes of a data: URL or the path of a file:// URL; 400 for anything else."""
+def _local_media(url: str, modality: str, where: str) -> Image.Image | Path | bytes:
+    """An image decoded here (off the engine's thread: this runs with the template, in a
+    worker thread), or a video's bytes (data: URL) or path (file:// URL) for the engine to
+    decode and sample; 400 for anything else."""
     scheme = urlparse(url).scheme.lower()
     hint = _INLINE_HINT.format(mime=_MIMES[modality])
     if scheme in ("http", "https"):
@@ -92,6 +96,7 @@ def _local_media(url: str, modality: str, where: str) -> Path | bytes:
             where,
         )
     try:
-        return resolve_media(url, modality)
+        media = resolve_media(url, modality)
+        return load_image(media) if modality == "image" else media
     except (ValueError, OSError) as exc:
         raise APIError(400, f"{where}: {exc}", where) from None
