@@ -157,6 +157,10 @@ def test_file_url_image_and_data_url_video(
         ({"type": "image_url", "image_url": {"url": "file:///no/such.png"}}, "does not exist"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "base64"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "decode"),
+        (
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+            "could not decode video",
+        ),
         ({"type": "image", "image": "/etc/hostname"}, "unsupported content part type 'image'"),
         ({"type": "image_url", "image_url": {}}, '"url"'),
     ],

@@ -5,19 +5,20 @@ as `LLM.chat`); this module adds what a network-facing server must check first. 
 `text`, `image_url` and `video_url` parts come over HTTP (an `image` part naming a path would
 read any file), and a media URL must be inline (`data:`) or a local `file://` URL: a local
 server does not fetch http(s) URLs for its clients, so a prompt never makes it reach the
-network. Media sent to a text-only model are refused by name rather than dropped.
+network. Media sent to a text-only model are refused by name rather than dropped. Items are
+decoded here (images; videos sampled as the engine samples a file), in the worker thread that
+renders the template, so a large upload never stalls the engine's thread and a broken one is a
+400 naming its part.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from PIL import Image
-
-from tinyvllm.multimodal.media import load_image, resolve_media
+from tinyvllm.engine.mm_inputs import VIDEO_FILE_FRAMES
+from tinyvllm.multimodal.media import decode_video, load_image, resolve_media
 from tinyvllm.server.errors import APIError, bad_request
 from tinyvllm.utils.content_parts import split_content_parts
 
@@ -78,10 +79,10 @@ def _checked_part(part: Any, where: str, accepts_media: bool, model_name: str) -
     return {"type": kind, kind: {"url": _local_media(url, modality, where)}}
 
 
-def _local_media(url: str, modality: str, where: str) -> Image.Image | Path | bytes:
-    """An image decoded here (off the engine's thread: this runs with the template, in a
-    worker thread), or a video's bytes (data: URL) or path (file:// URL) for the engine to
-    decode and sample; 400 for anything else."""
+def _local_media(url: str, modality: str, where: str) -> Any:
+    """The item decoded here, off the engine's thread (this runs with the template, in a
+    worker thread): an image, or a video's sampled frames with their frame rate, as the
+    engine would decode them; 400 for anything else."""
     scheme = urlparse(url).scheme.lower()
     hint = _INLINE_HINT.format(mime=_MIMES[modality])
     if scheme in ("http", "https"):
@@ -97,6 +98,9 @@ def _local_media(url: str, modality: str, where: str) -> Image.Image | Path | by
         )
     try:
         media = resolve_media(url, modality)
-        return load_image(media) if modality == "image" else media
-    except (ValueError, OSError) as exc:
+        if modality == "image":
+            return load_image(media)
+        clip = decode_video(media, VIDEO_FILE_FRAMES)
+        return clip.frames, {"fps": clip.fps}
+    except (ValueError, OSError, ImportError) as exc:  # ImportError: PyAV missing, says so
         raise APIError(400, f"{where}: {exc}", where) from None
