@@ -4,6 +4,7 @@ llama.cpp converts them (names, q/k permutation, quantization) and clear errors.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -292,6 +293,30 @@ def test_not_a_gguf_file_and_missing_files(tmp_path: Path) -> None:
     truncated.write_bytes(b"GGUF\x03\x00\x00\x00\x01")
     with pytest.raises(ValueError, match="truncated or corrupt"):
         read_gguf(truncated)
+
+
+def _gguf_with_string_array(path: Path, items: list[bytes], declared_last: int) -> Path:
+    """A GGUF holding one long string array whose last string declares `declared_last` bytes."""
+    key = b"tokenizer.ggml.tokens"
+    body = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, len(items))
+    for item in items[:-1]:
+        body += struct.pack("<Q", len(item)) + item
+    body += struct.pack("<Q", declared_last) + items[-1]
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    return path
+
+
+def test_long_string_arrays_decode_lazily_and_are_bounds_checked_when_read(
+    tmp_path: Path,
+) -> None:
+    items = [f"tok{i}-\u00fc".encode() for i in range(500)]
+    good = _gguf_with_string_array(tmp_path / "good.gguf", items, len(items[-1]))
+    tokens = read_gguf(good).metadata["tokenizer.ggml.tokens"]
+    assert tokens == [item.decode() for item in items]
+    # The vocabulary is not decoded while parsing, but its bounds are still checked then.
+    bad = _gguf_with_string_array(tmp_path / "bad.gguf", items, 10**6)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_gguf(bad)
 
 
 def test_hub_gguf_offline_names_the_file(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, ndims, type, offset
 # ggml tensors have at most four dimensions; metadata arrays nest a level or two.
 _MAX_DIMS = 4
 _MAX_NESTING = 8
+# String arrays longer than this (a tokenizer's vocabulary and merges: ~100k strings) are
+# only walked, for the bounds checks, while parsing; their strings are decoded on first read.
+_LAZY_ARRAY_ITEMS = 64
 # ggml type ids of the unquantized formats: F32, F16, BF16.
 _FLOAT_QTYPES = frozenset({0, 1, 30})
 
@@ -79,13 +83,50 @@ class TensorInfo:
         return qtype_name(self.qtype)
 
 
+@dataclass(frozen=True)
+class _LazyArray:
+    """A metadata array of strings (or arrays) kept as its bytes, already bounds-checked."""
+
+    data: bytes
+    item_type: int
+    count: int
+
+    def decode(self, path: Path) -> list[Any]:
+        cur = _Cursor(self.data, path, lazy=False)
+        return [cur.value(self.item_type, 1) for _ in range(self.count)]
+
+
+class GGUFMetadata(Mapping[str, Any]):
+    """The metadata key/value pairs. Long string arrays (the tokenizer's vocabulary and
+    merges) are decoded on first access: start-up reads only the model's sizes."""
+
+    def __init__(self, values: dict[str, Any], path: Path) -> None:
+        self._values = values
+        self._path = path
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if isinstance(value, _LazyArray):
+            value = self._values[key] = value.decode(self._path)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"GGUFMetadata({len(self)} keys of {self._path.name!r})"
+
+
 @dataclass
 class GGUFFile:
     """A parsed .gguf file. Tensor bytes stay on disk until `raw` maps them."""
 
     path: Path
     version: int
-    metadata: dict[str, Any]
+    metadata: Mapping[str, Any]
     tensors: dict[str, TensorInfo]
     _map: mmap.mmap | None = field(default=None, repr=False)
 
@@ -128,10 +169,11 @@ class GGUFFile:
 class _Cursor:
     """Sequential little-endian reads over the file's bytes."""
 
-    def __init__(self, buffer: mmap.mmap, path: Path) -> None:
+    def __init__(self, buffer: mmap.mmap | bytes, path: Path, lazy: bool = True) -> None:
         self.buffer = buffer
         self.pos = 0
         self.path = path
+        self.lazy = lazy
 
     def scalar(self, fmt: str) -> Any:
         try:
@@ -181,8 +223,24 @@ class _Cursor:
                 values = np.frombuffer(self.buffer, dtype=dtype, count=count, offset=self.pos)
                 self.pos += dtype.itemsize * count
                 return values.tolist()
+            if self.lazy and count > _LAZY_ARRAY_ITEMS:
+                start = self.pos
+                for _ in range(count):
+                    self.skip(item_type, depth + 1)
+                return _LazyArray(self.buffer[start : self.pos], item_type, count)
             return [self.value(item_type, depth + 1) for _ in range(count)]
         raise ValueError(f"{self.path} has an unknown metadata value type {vtype} (corrupt?)")
+
+
+    def skip(self, vtype: int, depth: int) -> None:
+        """Move past one value, with the checks `value` makes, without building it."""
+        if vtype == _STRING:
+            length = self.scalar("<Q")
+            if self.pos + length > len(self.buffer):
+                raise ValueError(f"{self.path} is truncated or corrupt (string past its end)")
+            self.pos += length
+        else:
+            self.value(vtype, depth)
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -226,10 +284,11 @@ def _parse(buffer: mmap.mmap, path: Path) -> GGUFFile:
         raise ValueError(f"{str(path)!r} has GGUF version {version}{hint}; versions 2 and 3 load")
     tensor_count = cur.scalar("<Q")
     kv_count = cur.count("metadata entries", _MIN_KV_BYTES)
-    metadata: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for _ in range(kv_count):
         key = cur.string()
-        metadata[key] = cur.value(cur.scalar("<I"))
+        values[key] = cur.value(cur.scalar("<I"))
+    metadata = GGUFMetadata(values, path)
     if tensor_count * _MIN_TENSOR_INFO_BYTES > len(buffer) - cur.pos:
         raise ValueError(
             f"{str(path)!r} is truncated or corrupt: it declares {tensor_count} tensors, more "
@@ -261,7 +320,7 @@ def _parse(buffer: mmap.mmap, path: Path) -> GGUFFile:
     return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
 
 
-def _alignment(metadata: dict[str, Any], path: Path) -> int:
+def _alignment(metadata: Mapping[str, Any], path: Path) -> int:
     value = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
         raise ValueError(
