@@ -325,7 +325,9 @@ def _save_atomically(tokenizer: Any, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent))
         tokenizer.save_pretrained(str(tmp))
-        save_snapshot(tokenizer, tmp)
+        # Of the tokenizer reloaded from the directory, as every later start loaded it (a
+        # class like Qwen2Tokenizer rebuilds its backend on load).
+        _load_and_snapshot(tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     except OSError as exc:  # read-only home, full disk: just rebuild next time
