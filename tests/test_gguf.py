@@ -352,3 +352,31 @@ def test_missing_tensor_is_named(tiny_models: Mapping[str, Path], tmp_path: Path
     )
     with pytest.raises(ValueError, match=r"missing 1 tensor\(s\).*layers.1.self_attn.k_norm"):
         load_model(path, load_gguf_config(path), torch.float32, "cpu", 64)
+
+
+def _rss_file_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux /proc")
+def test_release_drops_a_tensors_file_pages_and_keeps_its_views_valid(tmp_path: Path) -> None:
+    """Loading copies each tensor out of the mapped file; `release` then returns its pages, so
+    a load does not hold the file's pages and the model's copy at once (2x peak RSS)."""
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)
+    writer.add_tensor("token_embd.weight", values)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file):
+        step()
+    writer.write_tensors_to_file()
+    writer.close()
+    gf = read_gguf(path)
+    view = gf.raw("token_embd.weight").view(torch.float32)
+    assert float(view.sum()) == pytest.approx(float(values.sum()), rel=1e-4)  # pages touched
+    touched = _rss_file_kib()
+    gf.release("token_embd.weight")
+    assert touched - _rss_file_kib() > 6 * 1024  # of the 8 MiB tensor
+    assert np.array_equal(view.numpy().reshape(values.shape), values)  # read back from the file

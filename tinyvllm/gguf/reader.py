@@ -167,6 +167,22 @@ class GGUFFile:
         return tensor.view(rows, -1)
 
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's file pages from this process's memory once its values were copied
+        out. Without this a load holds the whole file's pages (counted in RSS) next to the
+        weights built from them, ~2x the model at peak. A view still in use stays valid: the
+        mapping is private and never written, so its pages are read back from the file."""
+        info = self.tensors[name]
+        advice = getattr(mmap, "MADV_DONTNEED", None)  # absent on Windows: keep the pages
+        if self._map is None or info.nbytes <= 0 or advice is None:
+            return
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.nbytes) // page * page
+        if end > start:
+            self._map.madvise(advice, start, end - start)
+
+
 class _Cursor:
     """Sequential little-endian reads over the file's bytes."""
 
