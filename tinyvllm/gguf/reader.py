@@ -166,7 +166,6 @@ class GGUFFile:
             rows *= dim
         return tensor.view(rows, -1)
 
-
     def release(self, name: str) -> None:
         """Drop the tensor's file pages from this process's memory once its values were copied
         out. Without this a load holds the whole file's pages (counted in RSS) next to the
