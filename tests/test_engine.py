@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -325,6 +326,39 @@ def test_fp32_gemm_copies_serve_batched_rows() -> None:
     assert torch.equal(layer(x), batched.bfloat16())
     one = x[:1]
     assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
+
+
+def test_fp32_gemm_copies_stay_within_the_budget(tiny_models, monkeypatch) -> None:
+    """fp32_weight_copy_bytes caps the copies: layers in running order, the lm_head last;
+    0 means none (batched GEMMs in bf16)."""
+    import torch
+
+    import tinyvllm.platforms.cpu as cpu_platform
+    from tinyvllm.models.layers.linear import LinearBase, ReplicatedLinear, attach_fp32_gemm_weights
+
+    model = torch.nn.Module()
+    model.lm_head = ReplicatedLinear(32, 100, bias=False).to(torch.bfloat16)
+    model.layers = torch.nn.ModuleList(
+        ReplicatedLinear(32, 24, bias=False).to(torch.bfloat16) for _ in range(3)
+    )
+    layer_bytes = 24 * 32 * 4
+    assert attach_fp32_gemm_weights(model, 8, budget=2 * layer_bytes + 10) == 2 * layer_bytes
+    copied = [m.gemm_weight is not None for m in model.layers]
+    assert copied == [True, True, False] and model.lm_head.gemm_weight is None
+
+    monkeypatch.setattr(cpu_platform, "has_native_bf16_matmul", lambda: False)
+
+    def copies(**kwargs: Any) -> int:
+        llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", max_model_len=64, **kwargs)
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+        return sum(m.gemm_weight.numel() * 4 for m in linears if m.gemm_weight is not None)
+
+    everything = copies()
+    assert everything > 0
+    assert copies(fp32_weight_copy_bytes=0) == 0
+    assert 0 < copies(fp32_weight_copy_bytes=everything // 2) <= everything // 2
+    with pytest.raises(ValueError, match="fp32_weight_copy_bytes"):
+        LLM(str(tiny_models["llama"]), fp32_weight_copy_bytes=-1)
 
 
 def test_token_ids_only_engine_returns_logprobs(tiny_models) -> None:

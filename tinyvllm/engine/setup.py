@@ -71,6 +71,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             device=str(device),
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            fp32_weight_copy_bytes=args.fp32_weight_copy_bytes,
         ),
         speculative=_speculative_config(args.speculative_config),
     )

@@ -27,10 +27,16 @@ class CpuPlatform(Platform):
     graphs."""
 
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, native: NativeCpuOps | None
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        native: NativeCpuOps | None,
+        fp32_weight_copy_bytes: int | None = None,
     ) -> None:
         super().__init__(device, dtype)
         self.native = native
+        # Left for fp32 GEMM weight copies; the target and a draft model share it.
+        self.fp32_copy_budget = fp32_weight_copy_bytes
         self.name = "cpu" if native is None else "cpu_native"
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
@@ -42,7 +48,9 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():
-            extra = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS)
+            extra = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS, self.fp32_copy_budget)
+            if self.fp32_copy_budget is not None:
+                self.fp32_copy_budget -= extra
             logger.info(
                 "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs (+%.0f MiB)",
                 extra / 2**20,

@@ -56,7 +56,9 @@ class ModelRunner:
         mc = config.model
         self.block_size = config.cache.block_size
         # Every device-specific kernel choice is made here, once (see tinyvllm/platforms/).
-        self.platform: Platform = select_platform(device, dtype, config.device.enforce_eager)
+        self.platform: Platform = select_platform(
+            device, dtype, config.device.enforce_eager, config.device.fp32_weight_copy_bytes
+        )
         self.model = load_model(
             mc.model_path,
             mc.hf_config,

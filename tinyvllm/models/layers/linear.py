@@ -205,25 +205,36 @@ class MergedColumnLinear(_ShardedLinear):
         self.output_sizes = list(output_sizes)
 
 
-def attach_fp32_gemm_weights(model: nn.Module, min_rows: int) -> int:
-    """Give every linear layer an fp32 copy of its weight for inputs with >= `min_rows` rows.
+def attach_fp32_gemm_weights(model: nn.Module, min_rows: int, budget: int | None = None) -> int:
+    """Give linear layers an fp32 copy of their weight for inputs with >= `min_rows` rows.
 
     On CPUs without native bf16 matmul (AVX2 only), torch's batched bf16 GEMM runs several
     times slower than fp32, while a single-row bf16 GEMV is memory-bound and wins on bytes.
     Keeping both copies gives prefill and batched decode fp32 speed and batch-1 decode bf16
     bandwidth. Quantized layers are skipped: an fp32 copy would undo their memory saving
     (their kernels pick a dense path for large batches themselves). Returns the extra bytes.
+
+    With a `budget` (bytes) only the layers whose copies fit get one, in the order they run,
+    the lm_head last: it sees only the rows being sampled, not whole prompts, so its copy pays
+    least (and with a big vocabulary it is the largest).
     """
     extra = 0
     seen: set[int] = set()
-    for module in model.modules():
-        if not isinstance(module, LinearBase) or module.qweight is not None:
-            continue
+    linears = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, LinearBase) and m.qweight is None
+    ]
+    linears.sort(key=lambda item: item[0].split(".")[-1] == "lm_head")  # stable: lm_head last
+    for _, module in linears:
         if id(module.weight) in seen:  # tied weights
             continue
         seen.add(id(module.weight))
+        size = module.weight.numel() * 4
+        if budget is not None and extra + size > budget:
+            continue
         module.gemm_weight = module.weight.detach().float()
         module.gemm_bias = None if module.bias is None else module.bias.detach().float()
         module.gemm_min_rows = min_rows
-        extra += module.gemm_weight.numel() * 4
+        extra += size
     return extra
