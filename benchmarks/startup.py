@@ -9,6 +9,9 @@ after the first), interleaved engine by engine, best of N:
 - peak RSS: the process's ru_maxrss at exit;
 - `tinyvllm chat`: process start to the first byte of the answer the REPL streams.
 
+The children may write bytecode caches even where PYTHONDONTWRITEBYTECODE is set (an
+installed package has them; compiling tinyvllm's modules on every start costs ~1 s here).
+
 Usage: python benchmarks/startup.py [--runs 3] [--threads 2]
 """
 
@@ -51,8 +54,14 @@ print(json.dumps({"ready": ready, "load": load, "first": first, "rss_mib": rss})
 """.replace("PROMPT", repr(PROMPT))
 
 
-def run_engine(engine: str, path: Path, threads: int) -> dict[str, Any]:
+def _child_env(threads: int) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def run_engine(engine: str, path: Path, threads: int) -> dict[str, Any]:
+    env = _child_env(threads)
     start = time.time()
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, repr(start), engine, str(path), str(threads)],
@@ -70,7 +79,7 @@ def run_engine(engine: str, path: Path, threads: int) -> dict[str, Any]:
 
 def run_chat(threads: int) -> dict[str, Any]:
     """`tinyvllm chat`: process start to the first byte of the streamed answer."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = _child_env(threads)
     command = [sys.executable, "-m", "tinyvllm.cli", "chat", "-m", "SmolLM2-135M-Instruct"]
     start = time.time()
     proc = subprocess.Popen(

@@ -282,4 +282,4 @@ def test_gguf_engine_runs_without_importing_transformers(
     assert result["n"] == 4
     assert result["chat"] == list(expected)
     snapshot = next((tmp_path / "cache").rglob(SNAPSHOT_FILE))
-    assert json.loads(snapshot.read_text())["format"] == 1
+    assert json.loads(snapshot.read_text())["format"] == 2

@@ -9,6 +9,7 @@ tests compare this parser with.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from collections.abc import Iterator, Mapping
@@ -284,6 +285,15 @@ def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {str(path)!r}")
+    st = path.stat()
+    return _read_unchanged(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+# One load reads the file's header from several places (config, quantization, tokenizer, the
+# loader's checks, the weights); they share one parse while the file stays the same file
+# (inode, size and modification time: a rewritten file is parsed again).
+@functools.lru_cache(maxsize=4)
+def _read_unchanged(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFFile:
     with open(path, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise ValueError(

@@ -23,7 +23,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "tinyvllm_tokenizer.json"
-_FORMAT = 1
+# The backend as transformers left it, in the `tokenizers` library's own format (a file of its
+# own: `Tokenizer.from_file` parses it without a second JSON decode of a multi-MB string).
+BACKEND_FILE = "tinyvllm_backend.json"
+_FORMAT = 2
 _NAMED = ("bos", "eos", "unk", "pad")
 # transformers methods whose behaviour the snapshot reproduces only as TokenizersBackend has it.
 _BACKEND_METHODS = (
@@ -61,7 +64,7 @@ class SnapshotTokenizer:
             return None
         if not isinstance(info, dict) or info.get("format") != _FORMAT:
             return None
-        backend = Tokenizer.from_str(info["backend"])
+        backend = Tokenizer.from_file(str(directory / BACKEND_FILE))
         backend.encode_special_tokens = info["split_special_tokens"]
         return cls(backend, info, str(directory))
 
@@ -240,7 +243,6 @@ def snapshot_info(tokenizer: Any) -> dict[str, Any] | None:
     template = tokenizer.chat_template
     return {
         "format": _FORMAT,
-        "backend": backend.to_str(),
         "chat_template": dict(template) if isinstance(template, Mapping) else template,
         "special_tokens_map": tokenizer.special_tokens_map,
         "all_special_ids": list(tokenizer.all_special_ids),
@@ -263,9 +265,15 @@ def save_snapshot(tokenizer: Any, directory: Path) -> None:
     if info is None:
         return
     try:
-        # Written whole, then renamed: another process may be reading the directory.
-        tmp = directory / f".{SNAPSHOT_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps(info), encoding="utf-8")
-        os.replace(tmp, directory / SNAPSHOT_FILE)
+        # Each file written whole, then renamed (another process may be reading the
+        # directory); the backend first, as the info file says the snapshot is complete.
+        texts = (
+            (BACKEND_FILE, tokenizer.backend_tokenizer.to_str()),
+            (SNAPSHOT_FILE, json.dumps(info)),
+        )
+        for name, text in texts:
+            tmp = directory / f".{name}.{os.getpid()}"
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, directory / name)
     except (TypeError, ValueError, OSError) as exc:  # an exotic token map, a read-only cache
         logger.info("no tokenizer snapshot in %s: %s", directory, exc)
