@@ -21,7 +21,7 @@ import tinyvllm.gguf.config as gguf_config
 from tinyvllm.gguf.bundled import smollm2_gguf_path
 from tinyvllm.gguf.config import load_gguf_config, load_gguf_tokenizer, tokenizer_cache_dir
 from tinyvllm.gguf.model_config import GGUFModelConfig
-from tinyvllm.gguf.tokenizer import SNAPSHOT_FILE, SnapshotTokenizer
+from tinyvllm.gguf.tokenizer import BACKEND_FILE, SNAPSHOT_FILE, SnapshotTokenizer
 from tinyvllm.utils import chat_template as chat_template_module
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -283,3 +283,17 @@ def test_gguf_engine_runs_without_importing_transformers(
     assert result["chat"] == list(expected)
     snapshot = next((tmp_path / "cache").rglob(SNAPSHOT_FILE))
     assert json.loads(snapshot.read_text())["format"] == 2
+
+
+def test_damaged_snapshot_is_rebuilt(
+    ggufs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = ggufs["qwen3"]
+    first = load_gguf_tokenizer(path)  # converts, saves, snapshots
+    cached = tokenizer_cache_dir(path.resolve())
+    assert isinstance(load_gguf_tokenizer(path), SnapshotTokenizer)
+    (cached / BACKEND_FILE).write_text("{broken")
+    again = load_gguf_tokenizer(path)  # warns, rebuilds from the GGUF file
+    assert again.encode(TEXTS[2]) == first.encode(TEXTS[2])
+    assert isinstance(load_gguf_tokenizer(path), SnapshotTokenizer)

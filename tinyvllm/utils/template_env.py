@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, ClassVar
@@ -19,7 +20,6 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-import numpy as np
 
 # Where a message's reasoning may arrive; templates read the first name.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -125,8 +125,9 @@ def plain_template_data(value: Any) -> Any:
         return [plain_template_data(item) for item in value]
     if isinstance(value, tuple):
         return tuple(plain_template_data(item) for item in value)
-    if isinstance(value, np.generic):  # np.bool_(False) must not become a truthy string
-        return plain_template_data(value.item())
+    numpy = sys.modules.get("numpy")  # not imported: no numpy values to meet
+    if numpy is not None and isinstance(value, numpy.generic):
+        return plain_template_data(value.item())  # np.bool_(False) must stay falsy
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
         return {f.name: plain_template_data(getattr(value, f.name)) for f in fields}
