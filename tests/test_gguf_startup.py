@@ -142,6 +142,10 @@ def test_snapshot_tokenizer_equals_transformers(name: str, ggufs: dict) -> None:
         )
         assert ours.convert_ids_to_tokens(ids, skip) == ref.convert_ids_to_tokens(ids, skip)
     assert ours.decode(ids[3]) == ref.decode(ids[3])
+    for clean in (True, False):
+        assert ours.decode(ids, clean_up_tokenization_spaces=clean) == ref.decode(
+            ids, clean_up_tokenization_spaces=clean
+        )
     tokens = [*ref.convert_ids_to_tokens(ids[:20]), "never-a-token-xyz"]
     assert ours.convert_tokens_to_ids(tokens) == ref.convert_tokens_to_ids(tokens)
     for attr in ("special_tokens_map", "all_special_ids", "all_special_tokens", "chat_template"):
@@ -282,7 +286,7 @@ def test_gguf_engine_runs_without_importing_transformers(
     assert result["n"] == 4
     assert result["chat"] == list(expected)
     snapshot = next((tmp_path / "cache").rglob(SNAPSHOT_FILE))
-    assert json.loads(snapshot.read_text())["format"] == 2
+    assert json.loads(snapshot.read_text())["format"] == 3
 
 
 def test_damaged_snapshot_is_rebuilt(

@@ -26,7 +26,7 @@ SNAPSHOT_FILE = "tinyvllm_tokenizer.json"
 # The backend as transformers left it, in the `tokenizers` library's own format (a file of its
 # own: `Tokenizer.from_file` parses it without a second JSON decode of a multi-MB string).
 BACKEND_FILE = "tinyvllm_backend.json"
-_FORMAT = 2
+_FORMAT = 3
 _NAMED = ("bos", "eos", "unk", "pad")
 # transformers methods whose behaviour the snapshot reproduces only as TokenizersBackend has it.
 _BACKEND_METHODS = (
@@ -37,6 +37,21 @@ _BACKEND_METHODS = (
     "convert_ids_to_tokens",
     "_convert_token_to_id_with_added_voc",
     "get_chat_template",
+    "clean_up_tokenization",
+)
+# transformers' decode clean-up (spaces a WordPiece detokenizer leaves before punctuation and
+# contractions), applied in this order.
+_CLEAN_UP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
 )
 
 
@@ -163,10 +178,15 @@ class SnapshotTokenizer:
         skip_special_tokens: bool = False,
         clean_up_tokenization_spaces: bool | None = None,
     ) -> str:
-        # The snapshot is only taken where transformers' clean-up changes nothing (see
-        # `snapshot_info`), so the flag needs no handling here.
         ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        # transformers skips the clean-up for BPE models (it would eat real spaces).
+        if clean_up_tokenization_spaces and self._info["clean_up_applies"]:
+            for old, new in _CLEAN_UP:
+                text = text.replace(old, new)
+        return text
 
     # --- chat -------------------------------------------------------------------------------
     def get_chat_template(
@@ -224,8 +244,7 @@ class SnapshotTokenizer:
 
 def snapshot_info(tokenizer: Any) -> dict[str, Any] | None:
     """What `SnapshotTokenizer` needs from a loaded transformers tokenizer, or None when the
-    snapshot could not give the same results (a class with its own encoding or decoding, or a
-    decode clean-up that would change text)."""
+    snapshot could not give the same results (a class with its own encoding or decoding)."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # pragma: no cover - transformers without the v5 backend
@@ -236,10 +255,8 @@ def snapshot_info(tokenizer: Any) -> dict[str, Any] | None:
         for name in _BACKEND_METHODS
     ):
         return None
-    backend = tokenizer.backend_tokenizer
-    # transformers skips its (WordPiece-era) clean-up for BPE models.
-    if tokenizer.clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE":
-        return None
+    bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+    force = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
     template = tokenizer.chat_template
     return {
         "format": _FORMAT,
@@ -251,6 +268,7 @@ def snapshot_info(tokenizer: Any) -> dict[str, Any] | None:
         "ids": {k: getattr(tokenizer, f"{k}_token_id") for k in _NAMED},
         "split_special_tokens": bool(tokenizer.split_special_tokens),
         "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces),
+        "clean_up_applies": not bpe or bool(getattr(tokenizer, force, False)),
         "model_max_length": int(tokenizer.model_max_length),
     }
 
