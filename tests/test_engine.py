@@ -328,35 +328,48 @@ def test_fp32_gemm_copies_serve_batched_rows() -> None:
     assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
 
 
-def test_fp32_gemm_copies_stay_within_the_budget(tiny_models, monkeypatch) -> None:
-    """fp32_weight_copy_bytes caps the copies: layers in running order, the lm_head last;
-    0 means none (batched GEMMs in bf16)."""
+def test_fp32_gemm_copies_are_made_on_first_use_within_the_budget(tiny_models, monkeypatch) -> None:
+    """fp32_weight_copy_bytes caps the copies; a layer takes its copy at its first batched
+    GEMM, so layers that only see decode-sized inputs (a chat's lm_head) never do."""
     import torch
 
     import tinyvllm.platforms.cpu as cpu_platform
-    from tinyvllm.models.layers.linear import LinearBase, ReplicatedLinear, attach_fp32_gemm_weights
-
-    model = torch.nn.Module()
-    model.lm_head = ReplicatedLinear(32, 100, bias=False).to(torch.bfloat16)
-    model.layers = torch.nn.ModuleList(
-        ReplicatedLinear(32, 24, bias=False).to(torch.bfloat16) for _ in range(3)
+    from tinyvllm.models.layers.linear import (
+        Fp32CopyBudget,
+        LinearBase,
+        ReplicatedLinear,
+        attach_fp32_gemm_weights,
     )
+
+    layers = [ReplicatedLinear(32, 24, bias=False).to(torch.bfloat16) for _ in range(3)]
     layer_bytes = 24 * 32 * 4
-    assert attach_fp32_gemm_weights(model, 8, budget=2 * layer_bytes + 10) == 2 * layer_bytes
-    copied = [m.gemm_weight is not None for m in model.layers]
-    assert copied == [True, True, False] and model.lm_head.gemm_weight is None
+    budget = Fp32CopyBudget(2 * layer_bytes + 10)
+    assert attach_fp32_gemm_weights(torch.nn.Sequential(*layers), 8, budget) == 3 * layer_bytes
+    assert all(m.gemm_weight is None for m in layers)  # nothing made yet
+    with torch.no_grad():
+        for m in layers:
+            m(torch.randn(2, 32).bfloat16())  # decode-sized: no copy
+        assert all(m.gemm_weight is None for m in layers)
+        for m in layers:
+            m(torch.randn(8, 32).bfloat16())
+    assert [m.gemm_weight is not None for m in layers] == [True, True, False]
+    assert budget.spent == 2 * layer_bytes
 
     monkeypatch.setattr(cpu_platform, "has_native_bf16_matmul", lambda: False)
+    long_prompt = {"prompt_token_ids": list(range(1, 101))}  # past the native 64-row path
 
-    def copies(**kwargs: Any) -> int:
-        llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", max_model_len=64, **kwargs)
-        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
-        return sum(m.gemm_weight.numel() * 4 for m in linears if m.gemm_weight is not None)
+    def copies(**kwargs: Any) -> tuple[int, bool]:
+        llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", max_model_len=160, **kwargs)
+        model = llm.engine.runner.model
+        llm.generate([long_prompt], greedy(max_tokens=2), use_tqdm=False)
+        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+        made = sum(m.gemm_weight.numel() * 4 for m in linears if m.gemm_weight is not None)
+        return made, model.lm_head.gemm_weight is not None
 
-    everything = copies()
-    assert everything > 0
-    assert copies(fp32_weight_copy_bytes=0) == 0
-    assert 0 < copies(fp32_weight_copy_bytes=everything // 2) <= everything // 2
+    everything, lm_head = copies()
+    assert everything > 0 and not lm_head  # the lm_head saw one row per step
+    assert copies(fp32_weight_copy_bytes=0)[0] == 0
+    assert 0 < copies(fp32_weight_copy_bytes=everything // 2)[0] <= everything // 2
     with pytest.raises(ValueError, match="fp32_weight_copy_bytes"):
         LLM(str(tiny_models["llama"]), fp32_weight_copy_bytes=-1)
 

@@ -54,7 +54,7 @@ class DeviceConfig:
     # The plain PyTorch path: no CUDA graphs on GPU, no native library at all on CPU (see
     # tinyvllm/platforms/).
     enforce_eager: bool = False
-    # Bytes the CPU platform may spend on fp32 copies of bf16 GEMM weights (None: all).
+    # Bytes the CPU platform may spend on fp32 copies of bf16 GEMM weights (None: no limit).
     fp32_weight_copy_bytes: int | None = None
 
 
@@ -98,9 +98,9 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
-    # CPUs without bf16 matmul (AVX2) run batched bf16 GEMMs on fp32 copies of the weights,
-    # 2x the bf16 weight bytes: at most this many bytes of copies (None: every layer's;
-    # 0: none, batched GEMMs then run in bf16, slower but without the extra memory).
+    # CPUs without bf16 matmul (AVX2) run batched bf16 GEMMs on fp32 copies of the weights
+    # (2x the bf16 bytes), made at a layer's first batched GEMM: at most this many bytes of
+    # them (None: no limit; 0: none, batched GEMMs then run in bf16, slower, no extra memory).
     fp32_weight_copy_bytes: int | None = None
     # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | None = None
