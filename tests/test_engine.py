@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -395,3 +396,24 @@ def test_decode_groups_and_unsorted_batches(llama_llm, monkeypatch) -> None:
     expected = token_ids(run(llama_llm, prompts, greedy()))
     monkeypatch.setattr(torch_attn, "_DECODE_GROUP_TOKENS", 64)
     assert token_ids(run(llama_llm, prompts, greedy())) == expected
+
+
+def test_generation_config_eos_ids_read_without_transformers(tmp_path: Path) -> None:
+    """EOS ids besides the tokenizer's come from generation_config.json, read as JSON (as
+    transformers' GenerationConfig reads them, without its second of imports)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from tinyvllm.engine.engine import _generation_config_eos
+
+    config = SimpleNamespace(model=SimpleNamespace(model_path=str(tmp_path)))
+    assert _generation_config_eos(config, 2) == set()  # no file (a GGUF checkpoint)
+    for ids in (7, [2, 7, 9], [], None):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+        reference = GenerationConfig.from_pretrained(tmp_path).eos_token_id
+        reference = [reference] if isinstance(reference, int) else reference or []
+        expected = set(reference)
+        assert _generation_config_eos(config, 2) == expected - {2}, ids
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert _generation_config_eos(config, 2) == set()
