@@ -3,6 +3,7 @@ tokenizer (which transformers rebuilds from the vocabulary stored in the file)."
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -10,7 +11,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -182,6 +183,16 @@ def _llama3_from_rope_freqs(gf: GGUFFile, theta: float, head_dim: int) -> dict[s
     )
 
 
+def _config_class(model_type: str) -> Callable[..., Any]:
+    """tinyvllm's config for the llama family (the same values, without importing
+    transformers: over a second), transformers' config class for the others."""
+    if model_type in MODEL_TYPES:
+        return functools.partial(GGUFModelConfig.from_kwargs, model_type)
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
+
+
 def gguf_to_hf_config(gf: GGUFFile) -> Any:
     """A transformers config (with `architectures` set) describing the GGUF model."""
     model_type, architecture = check_architecture(gf)
@@ -235,12 +246,8 @@ def gguf_to_hf_config(gf: GGUFFile) -> Any:
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in gf.tensors
     if kwargs["rope_scaling"] is None:
         del kwargs["rope_scaling"]
-    if model_type in MODEL_TYPES:  # the same values, without importing transformers
-        return GGUFModelConfig.from_kwargs(model_type, kwargs)
-    from transformers import CONFIG_MAPPING
-
     try:
-        return CONFIG_MAPPING[model_type](**kwargs)
+        return _config_class(model_type)(**kwargs)
     except Exception as exc:  # transformers validates sizes with its own error types
         detail = str(exc).splitlines()[-1].strip() if str(exc) else type(exc).__name__
         raise ValueError(

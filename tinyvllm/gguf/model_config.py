@@ -48,11 +48,11 @@ class GGUFModelConfig:
     layer_types: list[str] | None = field(default=None)
 
     @classmethod
-    def from_kwargs(cls, model_type: str, kwargs: dict[str, Any]) -> GGUFModelConfig:
+    def from_kwargs(cls, model_type: str, **kwargs: Any) -> GGUFModelConfig:
         """The config for the kwargs `gguf_to_hf_config` builds (see there)."""
         if model_type not in MODEL_TYPES:
             raise ValueError(f"no tinyvllm config for model_type {model_type!r}")
-        values = dict(kwargs)
+        values = kwargs
         theta = values.pop("rope_theta")
         scaling = values.pop("rope_scaling", None)
         # transformers v5 merges the base into the scaling dict; HF's `rope_scaling` is the
