@@ -34,19 +34,5 @@ class GGUFWeight:
         return dequantize(self.data, self.qtype, self.shape).to(dtype)
 
     def select_rows(self, index: torch.Tensor | slice) -> GGUFWeight:
-        if self.data.device.type == "cpu" and isinstance(index, torch.Tensor):
-            data = torch.from_numpy(self.data.numpy()[index.numpy()])  # see copy_bytes
-        else:
-            data = self.data[index]
+        data = self.data[index]
         return GGUFWeight(data=data, qtype=self.qtype, shape=(data.shape[0], self.shape[1]))
-
-
-def copy_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
-    """CPU byte matrices stacked by rows in one single-threaded copy.
-
-    Loading is memory copies; torch's parallel copy waits for every OpenMP worker, and with
-    another program on the cores a descheduled worker made it 6x slower than one thread
-    (one thread already saturates memory bandwidth here)."""
-    import numpy as np
-
-    return torch.from_numpy(np.concatenate([part.numpy() for part in parts]))

@@ -18,7 +18,7 @@ from torch import nn
 
 from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
 from tinyvllm.gguf.dequant import qtype_name
-from tinyvllm.gguf.weight import GGUFWeight, copy_bytes
+from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.native.abi import GGUF_FORMATS, format_code
 from tinyvllm.native.ops import max_linear_rows
 from tinyvllm.native.quant_ops import QuantKernels
@@ -147,8 +147,7 @@ class GGUFBlocks(PackedWeight):
     def pack(cls, shards: Sequence[Shard], spec: WeightSpec) -> PackedWeight:
         blocks = [shard for shard in shards if isinstance(shard, GGUFWeight)]
         # One contiguous copy (fused shards stacked by rows): nothing points into the file.
-        parts = [shard.data.reshape(shard.shape[0], -1) for shard in blocks]
-        data = copy_bytes(parts) if parts[0].device.type == "cpu" else torch.cat(parts)
+        data = torch.cat([shard.data.reshape(shard.shape[0], -1) for shard in blocks])
         return cls(spec, data, blocks[0].qtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
