@@ -46,6 +46,13 @@ def _add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
         default=None,
         help="EVS for video VLMs: share of video tokens to drop, in [0, 1) (default: off)",
     )
+    p.add_argument(
+        "--fp32-weight-copy-bytes",
+        type=int,
+        default=None,
+        help="CPUs without bf16 matmul: bytes of fp32 GEMM weight copies of a bf16 model "
+        "(default: all layers; 0: none)",
+    )
     if draft:
         p.add_argument(
             "--draft",
@@ -64,6 +71,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.dtype is not None:
         kwargs["dtype"] = args.dtype
+    if args.fp32_weight_copy_bytes is not None:
+        kwargs["fp32_weight_copy_bytes"] = args.fp32_weight_copy_bytes
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization
     if args.video_pruning_rate is not None:

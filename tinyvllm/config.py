@@ -100,6 +100,8 @@ class DeviceConfig:
     # The plain PyTorch path: no CUDA graphs on GPU, no native library at all on CPU (see
     # tinyvllm/platforms/).
     enforce_eager: bool = False
+    # Bytes the CPU platform may spend on fp32 copies of bf16 GEMM weights (None: no limit).
+    fp32_weight_copy_bytes: int | None = None
 
 
 @dataclass
@@ -142,6 +144,10 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    # CPUs without bf16 matmul (AVX2) run batched bf16 GEMMs on fp32 copies of the weights
+    # (2x the bf16 bytes), made at a layer's first batched GEMM: at most this many bytes of
+    # them (None: no limit; 0: none, batched GEMMs then run in bf16, slower, no extra memory).
+    fp32_weight_copy_bytes: int | None = None
     # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | None = None
     # EVS (Efficient Video Sampling) for video VLMs: drop this share of the video tokens that
@@ -177,6 +183,11 @@ class EngineArgs:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.fp32_weight_copy_bytes is not None and self.fp32_weight_copy_bytes < 0:
+            raise ValueError(
+                "fp32_weight_copy_bytes must be 0 (no fp32 weight copies) or more, got "
+                f"{self.fp32_weight_copy_bytes}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

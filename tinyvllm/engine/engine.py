@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from collections.abc import Container, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from tinyvllm.config import EngineArgs, EngineConfig
@@ -431,14 +433,15 @@ def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:
 
 def _generation_config_eos(config: EngineConfig, eos: int | None) -> set[int]:
     """EOS ids from generation_config.json besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
+    # Read as plain JSON: transformers' GenerationConfig costs a second of imports.
+    file = Path(config.model.model_path) / "generation_config.json"
     try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(config.model.model_path)
-    except Exception:
+        ids = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # absent (a GGUF file), unreadable, not a dict
         return set()
-    ids = gen.eos_token_id
-    if ids is None:
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    if not isinstance(ids, list):
         return set()
-    ids = {ids} if isinstance(ids, int) else set(ids)
-    return ids - ({eos} if eos is not None else set())
+    found = {i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0}
+    return found - ({eos} if eos is not None else set())

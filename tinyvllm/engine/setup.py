@@ -68,6 +68,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             device=str(device),
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            fp32_weight_copy_bytes=args.fp32_weight_copy_bytes,
         ),
         speculative=_speculative_config(args.speculative_config),
     )
@@ -217,14 +218,14 @@ def _speculative_config(config: Any) -> Any:
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
     from tinyvllm.gguf.reader import is_gguf_file
 
     if is_gguf_file(name):
         from tinyvllm.gguf.config import load_gguf_tokenizer
 
         return load_gguf_tokenizer(name)
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as exc:

@@ -203,6 +203,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@contextlib.contextmanager
+def _one_torch_thread(enabled: bool) -> Iterator[None]:
+    """Run torch ops on one thread while `enabled`. Loading kept GGUF blocks is memory copies
+    (stacking fused shards, permuting q/k rows): one thread already saturates memory bandwidth,
+    and torch's parallel copy waits for every OpenMP worker, so with another program on the
+    cores (a descheduled worker) it ran 6x slower than one thread (a 3.7 s load took 10-15 s at
+    load average 10)."""
+    if not enabled:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def load_model(
     model_dir: Path,
     hf_config: Any,
@@ -235,7 +253,8 @@ def load_model(
     keep_blocks = quant_config is not None and quant_config.method == "gguf"
     weights = _iter_weights(path, hf_config, dtype, device, keep_blocks)
     try:
-        model.load_weights(weights)  # type: ignore[operator]
+        with _one_torch_thread(keep_blocks and torch.device(device).type == "cpu"):
+            model.load_weights(weights)  # type: ignore[operator]
     except (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):
         raise  # the device's failures, not the file's
     except (ValueError, ArithmeticError, RuntimeError, IndexError) as exc:

@@ -20,7 +20,9 @@ def load_target_model(
     """The platform (chosen once: every device-specific kernel, see tinyvllm/platforms/) and
     the configured model loaded and prepared for it."""
     mc = config.model
-    platform = select_platform(device, dtype, config.device.enforce_eager)
+    platform = select_platform(
+        device, dtype, config.device.enforce_eager, config.device.fp32_weight_copy_bytes
+    )
     model = load_model(
         mc.model_path,
         mc.hf_config,
