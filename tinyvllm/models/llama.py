@@ -61,7 +61,7 @@ def layer_sliding_windows(config: Any, mode: str) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
 
 
-def _native_matrix(layer: nn.Module, bias: torch.Tensor | None) -> NativeMatrix | None:
+def native_matrix(layer: nn.Module, bias: torch.Tensor | None) -> NativeMatrix | None:
     """A linear layer's or embedding's weight as the native kernels read it (None: they
     cannot, e.g. int8 / int4 repacked)."""
     qweight = layer.qweight
@@ -80,6 +80,10 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         quant_config: QuantConfig | None = None,
+        *,
+        scale: float | None = None,
+        norm_class: type[RMSNorm] = RMSNorm,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
@@ -98,16 +102,17 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if options.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.q_norm = norm_class(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = norm_class(head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(
             layer_idx,
             num_heads,
             num_kv_heads,
             head_dim,
-            scale=head_dim**-0.5,
+            scale=head_dim**-0.5 if scale is None else scale,
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -186,10 +191,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache = attn.attn.kv_cache
         if kv_cache is None or attn.attn.logits_soft_cap:
             return None
-        qkv = _native_matrix(attn.qkv_proj, attn.qkv_proj.bias)
-        o = _native_matrix(attn.o_proj, attn.o_proj.bias)
-        gate_up = _native_matrix(mlp.gate_up_proj, mlp.gate_up_proj.bias)
-        down = _native_matrix(mlp.down_proj, mlp.down_proj.bias)
+        qkv = native_matrix(attn.qkv_proj, attn.qkv_proj.bias)
+        o = native_matrix(attn.o_proj, attn.o_proj.bias)
+        gate_up = native_matrix(mlp.gate_up_proj, mlp.gate_up_proj.bias)
+        down = native_matrix(mlp.down_proj, mlp.down_proj.bias)
         if qkv is None or o is None or gate_up is None or down is None:
             return None
         return DecodeLayerPlan(
@@ -243,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
     embedding and lm_head (None: float weights in the default dtype)."""
 
     options: ClassVar[FamilyOptions] = FamilyOptions()
+    # The decoder stack (a subclass with other layers keeps this class's head and loading).
+    model_class: ClassVar[type[nn.Module]] = LlamaModel
 
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
@@ -263,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.max_model_len = max_model_len
         self.quant_config = quant_config
-        self.model = LlamaModel(config, max_model_len, self.options, quant_config)
+        self.model = self.model_class(config, max_model_len, self.options, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         head_quant = None if quant_config is None else quant_config.output_config()
         self.lm_head = ReplicatedLinear(
@@ -291,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         run as one native call); call after the KV caches are bound."""
         inner = self.model
         layers = [layer.native_plan() for layer in inner.layers]
-        embed = _native_matrix(inner.embed_tokens, None)
+        embed = native_matrix(inner.embed_tokens, None)
         eps = {layer.input_layernorm.eps for layer in inner.layers}
         if embed is None or len(eps) != 1 or any(layer is None for layer in layers):
             return None

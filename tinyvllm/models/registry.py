@@ -31,6 +31,7 @@ _LLAMA = "tinyvllm.models.llama"
 
 _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
+        "Gemma3ForCausalLM": ModelEntry("tinyvllm.models.gemma3", "Gemma3ForCausalLM"),
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),

@@ -19,3 +19,15 @@ class SiluAndMul(nn.Module):
             return self.native.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`), same layout as `SiluAndMul`."""
+
+    native: NativeCpuOps | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and elementwise_rows_fit(x) and x.is_contiguous():
+            return self.native.gelu_tanh_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

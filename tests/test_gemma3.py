@@ -1,0 +1,146 @@
+"""Gemma 3 text models against HF transformers on a tiny random checkpoint: sliding layers
+(window 6, shorter than the prompts) alternating with full ones, two rope bases, (1 + w)
+sandwich norms, embedding scale, query_pre_attn_scalar, GeLU-tanh and final soft-capping;
+through the torch backend, the native CPU kernels and the one-call decode program."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import build_tiny_checkpoint
+from test_models import (
+    PROMPT_LENS,
+    TOLERANCE,
+    check_chunked_schedule,
+    hf_logprobs,
+    load_ours,
+    make_sequences,
+    max_diff,
+    run_step,
+)
+from transformers import AutoModelForCausalLM
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.native.build import unsupported_reason
+
+NATIVE = pytest.mark.skipif(
+    unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
+)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return build_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3"), tokenizer_dir)
+
+
+def test_layer_layout(gemma_dir: Path) -> None:
+    model, _ = load_ours(gemma_dir)
+    layers = model.attention_layers()
+    assert [layer.sliding_window for layer in layers] == [6, None, 6, None]
+    assert [layer.scale for layer in layers] == [pytest.approx(24**-0.5)] * 4
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ropes = [layer.self_attn.rotary_emb for layer in model.model.layers]
+    assert ropes[0] is ropes[2] is model.model.rotary_local
+    assert ropes[1] is ropes[3] is model.model.rotary_global
+    # The parameter holds 1 + w: an unchanged checkpoint norm weight of 0 would be identity.
+    hf = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32)
+    want = hf.model.layers[1].post_feedforward_layernorm.weight + 1
+    assert torch.equal(model.model.layers[1].post_feedforward_layernorm.weight, want)
+
+
+def test_prefill_matches_transformers(gemma_dir: Path) -> None:
+    model, backend = load_ours(gemma_dir)
+    prompts = make_sequences(model.config.vocab_size, PROMPT_LENS)
+    expected = hf_logprobs(gemma_dir, prompts)
+    ours = run_step(model, backend, prompts, [0, 0, 0], PROMPT_LENS)
+    for got, want in zip(ours, expected, strict=True):
+        assert max_diff(got, want) < TOLERANCE
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_chunked_prefill_and_decode_match_transformers(gemma_dir: Path) -> None:
+    check_chunked_schedule(gemma_dir)
+
+
+def test_bfloat16_close_to_transformers(gemma_dir: Path) -> None:
+    model, backend = load_ours(gemma_dir, dtype=torch.bfloat16)
+    prompts = make_sequences(model.config.vocab_size, PROMPT_LENS)
+    expected = hf_logprobs(gemma_dir, prompts, dtype=torch.bfloat16)
+    ours = run_step(model, backend, prompts, [0, 0, 0], PROMPT_LENS)
+    for got, want in zip(ours, expected, strict=True):
+        top = want.argmax(-1, keepdim=True)
+        assert max_diff(got.gather(-1, top), want.gather(-1, top)) < 0.5
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+            )
+            out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@NATIVE
+@pytest.mark.usefixtures("one_torch_thread")
+def test_engine_greedy_matches_transformers(gemma_dir: Path) -> None:
+    """Batched generation through the engine (native attention and the decode program),
+    with a shared prefix served from the prefix cache and prompts chunked by a small token
+    budget: HF's greedy continuation token for token."""
+    max_tokens = 10
+    base = make_sequences(2000, (9, 21, 30), seed=5)
+    prompts = [*base, base[2][:16] + base[0]]  # the last one reuses a cached block of base[2]
+    expected = _hf_greedy(gemma_dir, prompts, max_tokens)
+    llm = LLM(
+        str(gemma_dir),
+        dtype="float32",
+        max_model_len=128,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=16,
+    )
+    assert llm.engine.runner.decode_program is not None
+    assert _greedy(llm, prompts[:3], max_tokens) == expected[:3]
+    assert _greedy(llm, prompts, max_tokens) == expected
+    assert llm.get_stats().prefix_hits > 0
+    eager = LLM(str(gemma_dir), dtype="float32", max_model_len=128, enforce_eager=True)
+    assert _greedy(eager, prompts, max_tokens) == expected
+
+
+@NATIVE
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_program_is_bit_identical_to_native_layers(gemma_dir: Path, dtype: str) -> None:
+    llm = LLM(str(gemma_dir), dtype=dtype, max_model_len=128)
+    prompts = make_sequences(2000, (3, 12, 25), seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run() -> list[tuple[list[int], list[dict[int, float]]]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [
+            (
+                list(o.outputs[0].token_ids),
+                [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+            )
+            for o in outs
+        ]
+
+    assert llm.engine.runner.decode_program is not None
+    with_program = run()
+    llm.engine.runner.decode_program = None
+    llm.reset_prefix_cache()
+    assert run() == with_program
