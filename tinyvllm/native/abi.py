@@ -30,13 +30,21 @@ FORMAT_Q4_1 = 3
 FORMAT_Q8_0 = 4
 FORMAT_Q4_K = 5
 FORMAT_Q6_K = 6
+FORMAT_Q5_0 = 7
 
 DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(
     {torch.float32: FORMAT_F32, torch.bfloat16: FORMAT_BF16}
 )
 # ggml type id -> format code, for the block types the kernels read.
 GGUF_FORMATS: Mapping[int, int] = MappingProxyType(
-    {2: FORMAT_Q4_0, 3: FORMAT_Q4_1, 8: FORMAT_Q8_0, 12: FORMAT_Q4_K, 14: FORMAT_Q6_K}
+    {
+        2: FORMAT_Q4_0,
+        3: FORMAT_Q4_1,
+        6: FORMAT_Q5_0,
+        8: FORMAT_Q8_0,
+        12: FORMAT_Q4_K,
+        14: FORMAT_Q6_K,
+    }
 )
 
 # Query heads per KV head up to which the native attention runs (NativeCpuAttentionBackend and
