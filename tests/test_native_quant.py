@@ -161,6 +161,22 @@ def test_fused_shards_of_one_type_stack_their_blocks(kernels: QuantKernels) -> N
         assert_matches_fp32(layer(x), x, full, layer.bias)
 
 
+def test_fused_q5_0_q4_0_and_q8_0_shards_widen_to_q8_0(kernels: QuantKernels) -> None:
+    """llama.cpp's Q4_K_M gives q/k Q5_0 and v Q8_0 (Gemma 3 270M): the fused matrix is
+    re-encoded as Q8_0 without changing a value, so the native kernels still read it."""
+    layer = QKVLinear(256, 32, 4, 2, bias=False, quant_config=QuantConfig("gguf"))
+    bind_quant_kernels(layer, kernels)
+    shards = {s: random_blocks(n, 256, qtype, seed=i) for i, (s, n, qtype) in enumerate(
+        [("q", 128, GT.Q5_0), ("k", 64, GT.Q4_0), ("v", 64, GT.Q8_0)])}  # fmt: skip
+    for shard_id in ("q", "k", "v"):
+        layer.weight.weight_loader(layer.weight, shards[shard_id], shard_id)
+    assert layer.qweight is not None and layer.qweight.format == "gguf_blocks"
+    assert layer.qweight.native_weight is not None
+    assert layer.qweight.native_weight[0] == GGUF_FORMATS[GT.Q8_0]
+    full = torch.cat([reference(shards[s]) for s in ("q", "k", "v")])
+    assert torch.equal(layer.qweight.dequantize(), full)
+
+
 def test_fused_shards_of_mixed_types_fall_back(kernels: QuantKernels) -> None:
     layer = MergedColumnLinear(256, [64, 64], bias=False, quant_config=QuantConfig("gguf"))
     bind_quant_kernels(layer, kernels)
