@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
 from tinyvllm.gguf.dequant import Q8_0, Q8_0_SUBSETS, qtype_name, to_q8_0
+from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
 from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.native.abi import GGUF_FORMATS, format_code
 from tinyvllm.native.ops import max_linear_rows
