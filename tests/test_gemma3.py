@@ -144,3 +144,85 @@ def test_decode_program_is_bit_identical_to_native_layers(gemma_dir: Path, dtype
     llm.engine.runner.decode_program = None
     llm.reset_prefix_cache()
     assert run() == with_program
+
+
+# --- GGUF --------------------------------------------------------------------------------
+
+
+def _gguf_ready_checkpoint(root: Path, tokenizer_dir: Path, **overrides: object) -> Path:
+    """A tiny Gemma 3 with what a GGUF file can say: llama.cpp's period-6 layer pattern and
+    a query scale of head_dim."""
+    kwargs: dict[str, object] = {
+        "num_hidden_layers": 7,
+        "layer_types": None,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 16,
+        **overrides,
+    }
+    return build_tiny_checkpoint("gemma3", root, tokenizer_dir, **kwargs)
+
+
+def test_f32_gguf_loads_the_checkpoint_exactly(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Gemma names, the +1 llama.cpp folds into every norm, the layer pattern, both rope
+    bases (global with linear scaling) and the soft-cap all come back from the file."""
+    import gguf
+    from gguf_writer import write_tiny_gguf
+    from transformers import AutoConfig
+
+    from tinyvllm.gguf.config import load_gguf_config
+    from tinyvllm.models.loader import load_model
+
+    model_dir = _gguf_ready_checkpoint(tmp_path / "ckpt", tokenizer_dir)
+    softcap = {"{arch}.final_logit_softcapping": (30.0, gguf.GGUFValueType.FLOAT32)}
+    path = write_tiny_gguf(model_dir, tmp_path / "g.gguf", metadata=softcap)
+    config, reference = load_gguf_config(path), AutoConfig.from_pretrained(model_dir)
+    assert config.architectures == ["Gemma3ForCausalLM"]
+    assert config.layer_types == reference.layer_types
+    assert config.layer_types[4:] == ["sliding_attention", "full_attention", "sliding_attention"]
+    for key in ("rope_parameters", "sliding_window", "query_pre_attn_scalar", "head_dim"):
+        assert getattr(config, key) == getattr(reference, key), key
+    assert config.final_logit_softcapping == reference.final_logit_softcapping == 30.0
+    ours = load_model(path, config, torch.float32, "cpu", 128).state_dict()
+    ref = load_model(model_dir, reference, torch.float32, "cpu", 128).state_dict()
+    assert ours.keys() == ref.keys()
+    for name, tensor in ref.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+@NATIVE
+@pytest.mark.usefixtures("one_torch_thread")
+def test_quantized_gguf_matches_transformers_gguf_loader(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Greedy tokens and logprobs against transformers loading the same Q5_0 / Q4_0 / Q8_0
+    file (q/k/v of mixed types, as llama.cpp's Q4_K_M writes them), through the native decode
+    program on the file's blocks. transformers reads no rope scaling, soft-cap or query scale
+    from GGUF (it assumes 256), so the checkpoint has none and head_dim 256."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_writer import write_tiny_gguf
+
+    from tinyvllm.parity import load_hf_reference, run_parity
+
+    model_dir = _gguf_ready_checkpoint(
+        tmp_path / "ckpt",
+        tokenizer_dir,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        final_logit_softcapping=None,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    )
+
+    def mixed(name: str, weight: object) -> Q:
+        kind = name.split(".")[-2]
+        return {"attn_q": Q.Q5_0, "attn_k": Q.Q4_0, "ffn_gate": Q.Q5_0}.get(kind, Q.Q8_0)
+
+    path = write_tiny_gguf(model_dir, tmp_path / "tiny.gguf", qtype_for=mixed)
+    llm = LLM(str(path), dtype="float32", max_model_len=128)
+    assert llm.engine.runner.decode_program is not None
+    prompts = make_sequences(2000, (7, 20), seed=8)
+    report = run_parity(llm, load_hf_reference(str(path)), prompts, 12)
+    assert report.identical, report.summary()
+    assert report.max_logprob_diff < 1e-3, report.summary()
