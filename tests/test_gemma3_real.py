@@ -10,6 +10,7 @@ reference is saved once (fp32 safetensors in tinyvllm's cache, keyed by the file
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -43,6 +44,7 @@ def path() -> Path:
 def _cached_hf_reference(path: Path) -> Any:
     """transformers' model for the GGUF file, converted once and kept as fp32 safetensors."""
     import transformers
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     from tinyvllm.parity import load_hf_reference
@@ -56,7 +58,12 @@ def _cached_hf_reference(path: Path) -> Any:
     model = load_hf_reference(str(path))
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent))
-    model.save_pretrained(tmp)
+    # save_pretrained refuses a model loaded from GGUF; its values are plain fp32 tensors.
+    model.config.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    save_model(model, str(tmp / "model.safetensors"))  # the tied head stored once
     shutil.rmtree(cached, ignore_errors=True)
     os.replace(tmp, cached)
     return model
@@ -129,10 +136,16 @@ def test_quantized_execution_stays_close_to_transformers(llm: LLM, hf: Any) -> N
 
 
 def test_factual_continuation(llm: LLM) -> None:
+    """A base model: completions of factual sentences (greedy), checked for the fact."""
     tokenizer = llm.get_tokenizer()
     assert tokenizer.encode("Paris")[0] == tokenizer.bos_token_id  # the file adds <bos>
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    prompts = ["Paris is the capital of", "The largest planet in the solar system is"]
-    france, planet = (o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False))
-    assert "France" in france, france
-    assert "Jupiter" in planet, planet
+    facts = {
+        "The Eiffel Tower is located in the city of": "Paris",
+        "The capital of Japan is": "Tokyo",
+        "The chemical symbol for gold is": "Au",
+        "Water is made of hydrogen and": "oxygen",
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    outputs = llm.generate(list(facts), params, use_tqdm=False)
+    for (prompt, fact), out in zip(facts.items(), outputs, strict=True):
+        assert fact in out.outputs[0].text, (prompt, out.outputs[0].text)
