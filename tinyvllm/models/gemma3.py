@@ -176,8 +176,10 @@ class Gemma3Model(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # HF rounds the scale to the model dtype before the multiply (bf16: 25.25 for 640).
-        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        # HF rounds the scale to the model dtype before the multiply (bf16: 25.25 for 640); a
+        # Python float keeps the op free of host tensors (CUDA graph capture).
+        scale = float(torch.tensor(self.embed_scale, dtype=hidden.dtype))
+        return hidden * scale
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
