@@ -43,7 +43,7 @@ def test_layer_layout(gemma_dir: Path) -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ropes = [layer.self_attn.rotary_emb for layer in model.model.layers]
     assert ropes[0] is ropes[2] is model.model.rotary_local
-    assert ropes[1] is ropes[3] is model.model.rotary_global
+    assert ropes[1] is ropes[3] is model.model.rotary_emb
     # The parameter holds 1 + w: an unchanged checkpoint norm weight of 0 would be identity.
     hf = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32)
     want = hf.model.layers[1].post_feedforward_layernorm.weight + 1

@@ -10,6 +10,7 @@ GeLU-tanh, and the final logits may be soft-capped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,11 +25,12 @@ from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
 from tinyvllm.models.llama import (
     FamilyOptions,
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaModel,
     layer_sliding_windows,
-    native_matrix,
 )
-from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan
+from tinyvllm.native.decode_plan import DecodeLayerPlan
 from tinyvllm.quant.config import QuantConfig
 
 if TYPE_CHECKING:
@@ -61,7 +63,9 @@ class Gemma3MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer (attribute names, native plan) with Gemma's four norms."""
+
     def __init__(
         self,
         config: Any,
@@ -70,7 +74,7 @@ class Gemma3DecoderLayer(nn.Module):
         sliding_window: int | None,
         quant_config: QuantConfig | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # Llama's constructor would build Llama's norms and MLP
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = LlamaAttention(
             config,
@@ -96,51 +100,31 @@ class Gemma3DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # As in Llama, each residual add is fused into the norm that follows it; the outputs
-        # of attention and MLP get their own (post) norm before that add.
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        # Attention and MLP outputs get their own (post) norm before the residual add, which
+        # is fused into the norm after it, as in Llama.
+        hidden, residual = self.input_norm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, metadata))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
     def native_plan(self) -> DecodeLayerPlan | None:
-        """This layer for the native decode program (None: it cannot run it)."""
-        attn = self.self_attn
-        kv_cache = attn.attn.kv_cache
-        if kv_cache is None or attn.attn.logits_soft_cap or attn.q_norm is None:
+        plan = super().native_plan()
+        if plan is None:
             return None
-        assert attn.k_norm is not None
-        matrices = [
-            native_matrix(layer, None)
-            for layer in (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        ]
-        if any(m is None for m in matrices):
-            return None
-        qkv, o, gate_up, down = matrices
-        assert qkv is not None and o is not None and gate_up is not None and down is not None
-        return DecodeLayerPlan(
-            input_norm=self.input_layernorm.weight,
-            post_attention_norm=self.post_attention_layernorm.weight,
-            qkv=qkv,
-            o=o,
-            gate_up=gate_up,
-            down=down,
-            q_norm=attn.q_norm.weight,
-            k_norm=attn.k_norm.weight,
-            kv_cache=kv_cache,
-            sliding_window=attn.attn.sliding_window or 0,
+        rope = self.self_attn.rotary_emb
+        return dataclasses.replace(
+            plan,
             pre_feedforward_norm=self.pre_feedforward_layernorm.weight,
             post_feedforward_norm=self.post_feedforward_layernorm.weight,
-            cos_cache=attn.rotary_emb.cos_cache,
-            sin_cache=attn.rotary_emb.sin_cache,
+            cos_cache=rope.cos_cache,
+            sin_cache=rope.sin_cache,
         )
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(LlamaModel):
+    """Llama's stack (forward, final norm) with the scaled embedding and two rope tables:
+    `rotary_emb` global (full-attention layers), `rotary_local` for the sliding ones."""
+
     def __init__(
         self,
         config: Any,
@@ -148,25 +132,23 @@ class Gemma3Model(nn.Module):
         options: FamilyOptions,
         quant_config: QuantConfig | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # Llama's constructor would build Llama's layers
         hidden = config.hidden_size
         self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, quant_config)
         self.embed_scale = math.sqrt(hidden)
         windows = layer_sliding_windows(config, "layer_types")
         layer_types = list(config.layer_types)[: config.num_hidden_layers]
-        # One table per rope flavour: sliding layers use the local base, full layers the
-        # global base with its scaling.
+        self.rotary_emb = RotaryEmbedding(
+            RopeConfig.from_hf_config(config, layer_type="full_attention"), max_model_len
+        )
         self.rotary_local = RotaryEmbedding(
             RopeConfig.from_hf_config(config, layer_type=_SLIDING), max_model_len
-        )
-        self.rotary_global = RotaryEmbedding(
-            RopeConfig.from_hf_config(config, layer_type="full_attention"), max_model_len
         )
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(
                 config,
                 i,
-                self.rotary_local if layer_types[i] == _SLIDING else self.rotary_global,
+                self.rotary_local if layer_types[i] == _SLIDING else self.rotary_emb,
                 windows[i],
                 quant_config,
             )
@@ -181,20 +163,10 @@ class Gemma3Model(nn.Module):
         scale = float(torch.tensor(self.embed_scale, dtype=hidden.dtype))
         return hidden * scale
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
-
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3 text decoder; loading, tied head and quantization as in Llama."""
+    """Gemma 3 text decoder; loading, tied head, quantization and the native decode plan as
+    in Llama."""
 
     model_class: ClassVar[type[nn.Module]] = Gemma3Model
 
@@ -210,31 +182,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def native_decode_plan(self) -> DecodePlan | None:
-        inner = self.model
-        layers = [layer.native_plan() for layer in inner.layers]
-        embed = native_matrix(inner.embed_tokens, None)
-        if embed is None or any(layer is None for layer in layers):
-            return None
-        eps = {norm.eps for norm in inner.modules() if isinstance(norm, OffsetRMSNorm)}
-        if len(eps) != 1:
-            return None
-        attn = inner.layers[0].self_attn.attn
-        return DecodePlan(
-            dtype=inner.norm.weight.dtype,
-            embed=embed,
-            final_norm=inner.norm.weight,
-            cos_cache=inner.rotary_global.cos_cache,
-            sin_cache=inner.rotary_global.sin_cache,
-            layers=tuple(layer for layer in layers if layer is not None),
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            rotary_dim=inner.rotary_global.rotary_dim,
-            intermediate_size=inner.layers[0].mlp.down_proj.input_size,
-            eps=eps.pop(),
-            scale=attn.scale,
-            embed_scale=inner.embed_scale,
-            activation="gelu_tanh",
-        )

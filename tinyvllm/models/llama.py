@@ -167,6 +167,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config, quant_config)
 
+    def input_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed input, residual stream): the previous layer's residual add is fused into
+        this norm; the first layer has none yet."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -174,12 +183,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add is fused into the following norm; the first layer has none yet.
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -212,6 +216,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Multiplies the embedding rows (Gemma: sqrt(hidden_size)); 1.0 is no scaling.
+    embed_scale: float = 1.0
+
     def __init__(
         self,
         config: Any,
@@ -230,10 +237,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
@@ -318,6 +328,8 @@ class LlamaForCausalLM(nn.Module):
             intermediate_size=first.mlp.down_proj.input_size,
             eps=eps.pop(),
             scale=attn.scale,
+            embed_scale=inner.embed_scale,
+            activation=first.mlp.act.name,
         )
 
     def _ignored_checkpoint_tensor(self, name: str) -> bool:

@@ -44,10 +44,11 @@ class _Binder:
         self.dtype = dtype
         self.keep: list[torch.Tensor] = []
 
-    def tensor(self, t: torch.Tensor | None) -> int | None:
+    def tensor(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int | None:
+        """A tensor in the plan's dtype (or `dtype`: float32 for the rope tables)."""
         if t is None:
             return None
-        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+        if t.dtype != (dtype or self.dtype) or not t.is_contiguous() or t.device.type != "cpu":
             raise _Unsupported
         self.keep.append(t)
         return t.data_ptr()
@@ -86,18 +87,9 @@ class _Binder:
             down[1],
             self.tensor(plan.pre_feedforward_norm),
             self.tensor(plan.post_feedforward_norm),
-            self.table(plan.cos_cache),
-            self.table(plan.sin_cache),
+            self.tensor(plan.cos_cache, torch.float32),
+            self.tensor(plan.sin_cache, torch.float32),
         )
-
-    def table(self, t: torch.Tensor | None) -> int | None:
-        """A float32 rope table (read at any position up to its length)."""
-        if t is None:
-            return None
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise _Unsupported
-        self.keep.append(t)
-        return t.data_ptr()
 
     def model(self, plan: DecodePlan, dt: int, num_threads: int, layers: ctypes.Array) -> TvModel:
         kv = plan.layers[0].kv_cache
@@ -118,8 +110,8 @@ class _Binder:
             plan.scale,
             embed_ptr,
             self.tensor(plan.final_norm),
-            self.table(plan.cos_cache),
-            self.table(plan.sin_cache),
+            self.tensor(plan.cos_cache, torch.float32),
+            self.tensor(plan.sin_cache, torch.float32),
             layers,
             embed_fmt,
             _ACTIVATIONS[plan.activation],

@@ -12,6 +12,7 @@ from tinyvllm.native.ops import NativeCpuOps, elementwise_rows_fit
 class SiluAndMul(nn.Module):
     """silu(gate) * up where the input is [..., 2 * d] = [gate | up]; returns [..., d]."""
 
+    name = "silu"  # for the native decode plan
     native: NativeCpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -24,6 +25,7 @@ class SiluAndMul(nn.Module):
 class GeluTanhAndMul(nn.Module):
     """gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`), same layout as `SiluAndMul`."""
 
+    name = "gelu_tanh"
     native: NativeCpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
