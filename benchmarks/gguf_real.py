@@ -170,7 +170,16 @@ def in_subprocess(fn_name: str, *args: Any) -> dict:
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn_name, args, queue))
     proc.start()
-    result = queue.get()
+    # A child that dies without reporting (llama-cpp-python 0.3.36 segfaults on its first
+    # eval on this machine) must not hang the run.
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except Exception:  # queue.Empty
+            if not proc.is_alive():
+                result = {"error": f"the engine's process died (exit code {proc.exitcode})"}
+                break
     proc.join()
     return result
 
