@@ -14,6 +14,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue as queue_module
 import resource
 import sys
 import time
@@ -176,7 +177,7 @@ def in_subprocess(fn_name: str, *args: Any) -> dict:
         try:
             result = queue.get(timeout=5)
             break
-        except Exception:  # queue.Empty
+        except queue_module.Empty:
             if not proc.is_alive():
                 result = {"error": f"the engine's process died (exit code {proc.exitcode})"}
                 break
