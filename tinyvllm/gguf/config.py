@@ -247,7 +247,7 @@ def gguf_to_hf_config(gf: GGUFFile) -> Any:
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in gf.tensors
     if gf.architecture == "gemma3":
         _gemma3_fields(gf, kwargs)
-    if kwargs.get("rope_scaling", 0) is None:
+    if "rope_scaling" in kwargs and kwargs["rope_scaling"] is None:  # gemma3 moved it
         del kwargs["rope_scaling"]
     try:
         return CONFIG_MAPPING[model_type](**kwargs)

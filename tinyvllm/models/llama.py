@@ -61,7 +61,7 @@ def layer_sliding_windows(config: Any, mode: str) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
 
 
-def native_matrix(layer: nn.Module, bias: torch.Tensor | None) -> NativeMatrix | None:
+def _native_matrix(layer: nn.Module, bias: torch.Tensor | None) -> NativeMatrix | None:
     """A linear layer's or embedding's weight as the native kernels read it (None: they
     cannot, e.g. int8 / int4 repacked)."""
     qweight = layer.qweight
@@ -195,10 +195,10 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache = attn.attn.kv_cache
         if kv_cache is None or attn.attn.logits_soft_cap:
             return None
-        qkv = native_matrix(attn.qkv_proj, attn.qkv_proj.bias)
-        o = native_matrix(attn.o_proj, attn.o_proj.bias)
-        gate_up = native_matrix(mlp.gate_up_proj, mlp.gate_up_proj.bias)
-        down = native_matrix(mlp.down_proj, mlp.down_proj.bias)
+        qkv = _native_matrix(attn.qkv_proj, attn.qkv_proj.bias)
+        o = _native_matrix(attn.o_proj, attn.o_proj.bias)
+        gate_up = _native_matrix(mlp.gate_up_proj, mlp.gate_up_proj.bias)
+        down = _native_matrix(mlp.down_proj, mlp.down_proj.bias)
         if qkv is None or o is None or gate_up is None or down is None:
             return None
         return DecodeLayerPlan(
@@ -308,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
         run as one native call); call after the KV caches are bound."""
         inner = self.model
         layers = [layer.native_plan() for layer in inner.layers]
-        embed = native_matrix(inner.embed_tokens, None)
+        embed = _native_matrix(inner.embed_tokens, None)
         eps = {layer.input_layernorm.eps for layer in inner.layers}
         if embed is None or len(eps) != 1 or any(layer is None for layer in layers):
             return None
