@@ -50,6 +50,21 @@ def test_layer_layout(gemma_dir: Path) -> None:
     assert torch.equal(model.model.layers[1].post_feedforward_layernorm.weight, want)
 
 
+def test_unsupported_configs_are_named(gemma_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    from tinyvllm.models.gemma3 import Gemma3ForCausalLM
+
+    config = AutoConfig.from_pretrained(gemma_dir)
+    config.use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        Gemma3ForCausalLM(config, 64)
+    config = AutoConfig.from_pretrained(gemma_dir)
+    config.hidden_activation = "relu"
+    with pytest.raises(ValueError, match="hidden_activation='relu'"):
+        Gemma3ForCausalLM(config, 64)
+
+
 def test_prefill_matches_transformers(gemma_dir: Path) -> None:
     model, backend = load_ours(gemma_dir)
     prompts = make_sequences(model.config.vocab_size, PROMPT_LENS)

@@ -133,6 +133,11 @@ class Gemma3Model(LlamaModel):
         quant_config: QuantConfig | None = None,
     ) -> None:
         nn.Module.__init__(self)  # Llama's constructor would build Llama's layers
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(
+                "Gemma 3 with use_bidirectional_attention=True (an embedding model) is not "
+                "supported: Gemma3ForCausalLM generates with causal attention"
+            )
         hidden = config.hidden_size
         self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, quant_config)
         self.embed_scale = math.sqrt(hidden)
