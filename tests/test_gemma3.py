@@ -270,3 +270,29 @@ def test_triton_backend_in_the_interpreter_matches_transformers(gemma_dir: Path)
     cmd = [sys.executable, "-c", _TRITON_PARITY, str(gemma_dir)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_gguf_layer_pattern_from_metadata(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """`attention.sliding_window_pattern` as a period or as per-layer flags (bools or ints,
+    as converters write them) overrides llama.cpp's period of 6; a bad one is named."""
+    import gguf
+    from gguf_writer import write_tiny_gguf
+
+    from tinyvllm.gguf.config import load_gguf_config
+
+    model_dir = _gguf_ready_checkpoint(tmp_path / "ckpt", tokenizer_dir)
+    key = "{arch}.attention.sliding_window_pattern"
+    A, U32 = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+    flags = [True, False, True, True, False, True, False]
+    from_flags = ["sliding_attention" if f else "full_attention" for f in flags]
+    cases = [
+        ((2, U32), ["sliding_attention", "full_attention"] * 3 + ["sliding_attention"]),
+        ((flags, A), from_flags),
+        (([int(f) for f in flags], A), from_flags),
+    ]
+    for i, (value, want) in enumerate(cases):
+        path = write_tiny_gguf(model_dir, tmp_path / f"p{i}.gguf", metadata={key: value})
+        assert load_gguf_config(path).layer_types == want
+    bad = write_tiny_gguf(model_dir, tmp_path / "bad.gguf", metadata={key: ([1, 2], A)})
+    with pytest.raises(ValueError, match=r"gemma3\.attention\.sliding_window_pattern must be 7"):
+        load_gguf_config(bad)

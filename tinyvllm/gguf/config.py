@@ -286,14 +286,15 @@ def _gemma3_fields(gf: GGUFFile, kwargs: dict[str, Any]) -> None:
 
 def _gemma3_layer_types(gf: GGUFFile, layers: int) -> list[str]:
     """`attention.sliding_window_pattern`: a period (every n-th layer is global) or one flag
-    per layer (true: sliding); without it llama.cpp's period of 6."""
+    per layer (true or 1: sliding; converters write bools or ints); without it llama.cpp's
+    period of 6."""
     pattern = gf.arch_value("attention.sliding_window_pattern")
     if isinstance(pattern, list):
-        if len(pattern) != layers or not all(isinstance(p, bool) for p in pattern):
+        if len(pattern) != layers or not all(p in (0, 1) for p in pattern):
             raise _bad(
-                gf, "attention.sliding_window_pattern", f"must be {layers} booleans", pattern
+                gf, "attention.sliding_window_pattern", f"must be {layers} flags (0 / 1)", pattern
             )
-        sliding = list(pattern)
+        sliding = [bool(p) for p in pattern]
     else:
         period = _int(gf, "attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
         sliding = [(i + 1) % period != 0 for i in range(layers)]
