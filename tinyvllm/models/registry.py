@@ -36,6 +36,7 @@ _BERT = "tinyvllm.models.bert"
 _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
         "BertModel": ModelEntry(_BERT, "BertModel", runners=("pooling",)),
+        "Gemma3ForCausalLM": ModelEntry("tinyvllm.models.gemma3", "Gemma3ForCausalLM"),
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
