@@ -12,6 +12,7 @@ from typing import Any
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.server.errors import bad_request
+from tinyvllm.server.limits import MAX_N
 from tinyvllm.server.protocol import (
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -57,6 +58,8 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams (DELTA outputs); a bad value is a 400 naming its field."""
     _refuse_unsupported(req)
+    if req.n > MAX_N:  # each choice is an engine request: bound what one client may start
+        raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
     values: dict[str, Any] = {name: getattr(req, name) for name in _PASSTHROUGH}
     for name in _MODEL_DEFAULTED:
         value = getattr(req, name)
