@@ -9,6 +9,7 @@ import base64
 import http.client
 import io
 import json
+import re
 import struct
 import zlib
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from tinyvllm.server.limits import MAX_BATCH, MAX_N, ServerLimits  # noqa: E402
 from tinyvllm.server.serving import ServerState  # noqa: E402
 
 MODEL = "tiny-llama"
+MAX_MODEL_LEN = 128
 
 
 def _png(path: Path, width: int = 8, height: int = 6) -> Path:
@@ -193,7 +195,7 @@ def test_video_frame_and_pixel_bounds(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tiny_models: Any, one_torch_thread: None) -> Iterator[AsyncLLM]:
-    llm = AsyncLLM(str(tiny_models["llama"]), dtype="float32", max_model_len=128)
+    llm = AsyncLLM(str(tiny_models["llama"]), dtype="float32", max_model_len=MAX_MODEL_LEN)
     yield llm
     llm.shutdown()
 
@@ -255,3 +257,27 @@ def test_n_and_batch_bounds(server: ServerThread) -> None:
         client.completions.create(model=MODEL, prompt=[[1]] * 24, n=86, max_tokens=1)
     out = client.completions.create(model=MODEL, prompt=[[1]] * 2, n=2, max_tokens=1)
     assert len(out.choices) == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"prompt_logprobs": 10**6}, "prompt_logprobs must be in [0, 20], got 1000000"),
+        ({"stop": ["x"] * 17}, "stop holds 17 strings; at most 16"),
+        ({"stop": "y" * 257}, "at most 256 characters, got one of 257"),
+    ],
+)
+def test_sampling_bounds(server: ServerThread, extra: dict[str, Any], needle: str) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match=re.escape(needle)):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body=extra)
+
+
+def test_max_tokens_is_bounded_by_the_context(server: ServerThread) -> None:
+    """A huge max_tokens costs nothing up front and ends at the context's end."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    out = client.completions.create(
+        model=MODEL, prompt=[1, 2], max_tokens=10**12, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == MAX_MODEL_LEN
