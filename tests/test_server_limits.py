@@ -128,8 +128,9 @@ def test_allowed_local_media_path_must_be_a_directory(
     assert "--max-request-body-bytes" in capsys.readouterr().err
 
 
-def test_llm_chat_still_reads_local_paths(tmp_path: Path) -> None:
-    """In-process media loading (LLM.chat, ChatSession) is the process owner's: no policy."""
+def test_in_process_loading_still_reads_local_paths(tmp_path: Path) -> None:
+    """In-process media loading (LLM.chat, ChatSession) is the process owner's: no policy.
+    (test_server_vlm's reference answers come from LLM.chat given a file:// URL.)"""
     path = _png(tmp_path / "mine.png")
     assert load_image(path.as_uri()).size == load_image(str(path)).size == (8, 6)
 

@@ -156,19 +156,18 @@ def _allowed_file(url: str, where: str, limits: ServerLimits, hint: str) -> Path
             where,
         )
     parsed = urlparse(url)
-    try:
-        path = Path(url2pathname(parsed.path))
-        inside = (
-            parsed.netloc in ("", "localhost")
-            and path.is_absolute()
-            and path.resolve().is_relative_to(allowed)
-        )
-    except (ValueError, OSError, RuntimeError):  # a NUL byte, a symlink loop, ...
-        inside = False
-    if not inside:
+    path = Path(url2pathname(parsed.path))
+    resolved = None
+    if parsed.netloc in ("", "localhost") and path.is_absolute():
+        try:
+            resolved = path.resolve()
+        except (ValueError, OSError, RuntimeError):  # a NUL byte, a symlink loop, ...
+            resolved = None
+    if resolved is None or not resolved.is_relative_to(allowed):
         raise bad_request(
             f"{where}: {url[:80]!r} is not a file:// URL of a file inside the directory this "
             f"server allows (--allowed-local-media-path); {hint}",
             where,
         )
-    return path.resolve()
+    # The resolved path is what gets opened, so a symlink inside DIR cannot lead out of it.
+    return resolved
