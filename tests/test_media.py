@@ -62,7 +62,7 @@ def _write_video(path: Path, values: list[int], codec: str, pix_fmt: str) -> Non
             container.mux(packet)
 
 
-# Lossless codecs; Matroska does not store the frame count (frames are sampled after decoding),
+# Lossless codecs; Matroska does not store the frame count (it is counted from the packets),
 # QuickTime does (only the sampled frames are converted).
 @pytest.mark.parametrize(
     ("name", "codec", "pix_fmt"),

@@ -1,6 +1,7 @@
 """Chat completions with image and video content parts on a tiny random Qwen2.5-VL, served as
-`tinyvllm serve MODEL --video-pruning-rate 0.5` serves it: data: and file:// URLs give the
-greedy text `LLM.chat` gives for the same content; remote URLs and bad media are 400s."""
+`tinyvllm serve MODEL --video-pruning-rate 0.5 --allowed-local-media-path DIR` serves it: data:
+and file:// URLs give the greedy text `LLM.chat` gives for the same content; remote URLs,
+files outside DIR and bad media are 400s."""
 
 from __future__ import annotations
 
@@ -57,8 +58,15 @@ def llm(vlm_dir: Path, one_torch_thread: None) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def state(vlm_dir: Path, one_torch_thread: None) -> Iterator[Any]:
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's --allowed-local-media-path."""
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def state(vlm_dir: Path, media_dir: Path, one_torch_thread: None) -> Iterator[Any]:
     flags = [item for pair in ENGINE_FLAGS.items() for item in pair]
+    flags += ["--allowed-local-media-path", str(media_dir)]
     served = served_state([str(vlm_dir), "--served-model-name", "vlm", "--enforce-eager", *flags])
     yield served
     served.engine.shutdown()
@@ -118,13 +126,14 @@ def test_data_url_image_matches_llm_chat(client: Any, llm: LLM) -> None:
 
 
 def test_file_url_image_and_data_url_video(
-    client: Any, llm: LLM, state: Any, tmp_path: Path
+    client: Any, llm: LLM, state: Any, tmp_path: Path, media_dir: Path
 ) -> None:
-    """A file:// image and an inline video (a lossless clip), pruned at --video-pruning-rate."""
+    """A file:// image (inside --allowed-local-media-path) and an inline video (a lossless
+    clip), pruned at --video-pruning-rate. `LLM.chat` reads the same file:// URL unasked."""
     av = pytest.importorskip("av")
     from PIL import Image
 
-    png = tmp_path / "picture.png"
+    png = media_dir / "picture.png"
     Image.fromarray(random_image(56, 56, seed=2)).save(png)
     clip = tmp_path / "clip.mkv"
     with av.open(str(clip), "w") as container:
@@ -153,8 +162,11 @@ def test_file_url_image_and_data_url_video(
             {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
             "not fetched by this server; send the file inline as a data: URL",
         ),
-        ({"type": "image_url", "image_url": {"url": "/etc/hostname"}}, "data: or file://"),
-        ({"type": "image_url", "image_url": {"url": "file:///no/such.png"}}, "does not exist"),
+        ({"type": "image_url", "image_url": {"url": "/etc/hostname"}}, "must be a data: URL"),
+        (
+            {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}},
+            "not a file:// URL of a file inside the directory this server allows",
+        ),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "base64"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "decode"),
         (

@@ -281,10 +281,12 @@ def serve_setup(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
         model_spec,
         read_chat_template,
         serve_engine_kwargs,
+        server_limits,
     )
 
     check_installed()
     read_chat_template(args.chat_template)
+    server_limits(args)
     engine_kwargs = {**_engine_kwargs(args), **serve_engine_kwargs(args)}
     check_engine_kwargs(engine_kwargs)
     return resolve_cli_model(model_spec(args), engine_kwargs, args.revision, args.gguf_file)

@@ -13,6 +13,7 @@ import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
 
@@ -64,19 +65,31 @@ def resolve_media(source: MediaSource, what: str) -> Path | bytes:
     return path
 
 
-def load_image(source: MediaSource | Image.Image) -> Image.Image:
+def load_image(source: MediaSource | Image.Image, max_pixels: int | None = None) -> Image.Image:
     """An image from a path, file:// URL, bytes or data: URL, fully decoded (the file is
-    closed on return). Mode conversion is left to the processor (it composites alpha)."""
+    closed on return). Mode conversion is left to the processor (it composites alpha).
+    Pillow's decompression-bomb guard stays on; `max_pixels` (width x height) is checked from
+    the header, before anything is decoded."""
     if isinstance(source, Image.Image):
         return source
     media = resolve_media(source, "image")
+    name = "the given bytes" if isinstance(media, bytes) else str(media)
     try:
         with Image.open(io.BytesIO(media) if isinstance(media, bytes) else media) as image:
+            check_pixels(image.width, image.height, max_pixels, f"image {name!r}")
             image.load()
             return image
-    except (UnidentifiedImageError, OSError) as exc:
-        name = "the given bytes" if isinstance(media, bytes) else str(media)
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ValueError(f"could not decode image {name!r}: {exc}") from None
+
+
+def check_pixels(width: int, height: int, max_pixels: int | None, what: str) -> None:
+    """ValueError when a width x height picture is over `max_pixels` (None: no bound)."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise ValueError(
+            f"{what} is {width}x{height} = {width * height} pixels, more than the "
+            f"{max_pixels} allowed; send a smaller one"
+        )
 
 
 def _import_av():  # type: ignore[no-untyped-def]
@@ -97,26 +110,45 @@ def _sample_indices(total: int, num_frames: int | None) -> np.ndarray:
     return np.unique(np.linspace(0, total - 1, num_frames).round().astype(np.int64))
 
 
-def decode_video(source: MediaSource, num_frames: int | None = None) -> VideoClip:
+def decode_video(
+    source: MediaSource,
+    num_frames: int | None = None,
+    max_frames: int | None = None,
+    max_pixels: int | None = None,
+) -> VideoClip:
     """Decode a video file's first video stream to RGB frames; with `num_frames`, keep that
-    many frames spread evenly over the clip (fps scales with them)."""
+    many frames spread evenly over the clip (fps scales with them). A clip of more than
+    `max_frames` frames (decoded, not kept), or with frames over `max_pixels`, is a
+    ValueError, raised as soon as the header or the decoding shows it."""
     if num_frames is not None and num_frames < 1:
         raise ValueError(f"num_frames={num_frames} must be at least 1 (or None for all)")
     av = _import_av()
     media = resolve_media(source, "video")
     name = "the given bytes" if isinstance(media, bytes) else str(media)
+
+    def opened() -> Any:
+        return av.open(io.BytesIO(media) if isinstance(media, bytes) else str(media))
+
     try:
-        with av.open(io.BytesIO(media) if isinstance(media, bytes) else str(media)) as container:
+        with opened() as container:
             if not container.streams.video:
                 raise ValueError(f"{name!r} has no video stream")
             stream = container.streams.video[0]
+            total = stream.frames
+            if not total and num_frames is not None:
+                # The container does not state its length (e.g. Matroska): count the packets
+                # (no decoding), so only the sampled frames are converted below.
+                with opened() as counting:
+                    total = _count_packets(counting, max_frames, name)
+            _check_clip(stream.codec_context, total, max_frames, max_pixels, name)
             rate = float(stream.average_rate) if stream.average_rate else None
-            # When the container states its length, convert only the sampled frames (a long
-            # clip's full RGB frames would not fit in memory); otherwise sample afterwards.
-            wanted = set(_sample_indices(stream.frames, num_frames).tolist())
+            # Convert only the sampled frames (a long clip's full RGB frames would not fit in
+            # memory); with no length known, every frame is kept and sampled afterwards.
+            wanted = set(_sample_indices(total, num_frames).tolist())
             frames, decoded = [], 0
             for index, frame in enumerate(container.decode(stream)):
                 decoded += 1
+                _check_clip(frame, decoded, max_frames, max_pixels, name)
                 if not wanted or index in wanted:
                     frames.append(frame.to_ndarray(format="rgb24"))
     except av.error.FFmpegError as exc:
@@ -127,6 +159,28 @@ def decode_video(source: MediaSource, num_frames: int | None = None) -> VideoCli
         frames = [frames[i] for i in _sample_indices(len(frames), num_frames)]
     fps = None if rate is None else rate * len(frames) / decoded
     return VideoClip(frames=np.stack(frames), fps=fps)
+
+
+def _count_packets(container: Any, max_frames: int | None, name: str) -> int:
+    """Frames of the first video stream, counted from its packets without decoding them."""
+    count = 0
+    for packet in container.demux(container.streams.video[0]):
+        count += packet.size > 0  # the flush packet at the end is empty
+        _check_clip(None, count, max_frames, None, name)
+    return count
+
+
+def _check_clip(
+    frame: Any, count: int, max_frames: int | None, max_pixels: int | None, name: str
+) -> None:
+    """The bounds on a clip of `count` frames (so far, or as the header says) sized like
+    `frame` (a frame or the stream's codec context: anything with width and height)."""
+    if max_frames is not None and count > max_frames:
+        raise ValueError(
+            f"video {name!r} has more than the {max_frames} frames allowed; send a shorter clip"
+        )
+    if frame is not None:
+        check_pixels(frame.width, frame.height, max_pixels, f"a frame of video {name!r}")
 
 
 def load_video(source: MediaSource, num_frames: int | None = None) -> np.ndarray:

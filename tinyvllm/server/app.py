@@ -19,6 +19,7 @@ from tinyvllm.server.chat import chat_prompt, create_chat_completion
 from tinyvllm.server.completions import create_completion
 from tinyvllm.server.embeddings import create_embedding
 from tinyvllm.server.errors import bad_request, error_response, install_error_handlers
+from tinyvllm.server.limits import BodySizeLimit
 from tinyvllm.server.metrics import render_metrics
 from tinyvllm.server.protocol import (
     ChatCompletionRequest,
@@ -65,6 +66,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
     if state.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
 

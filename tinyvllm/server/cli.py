@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from tinyvllm.server.limits import ServerLimits
     from tinyvllm.server.serving import ServerState
 
 API_KEY_ENV = "TINYVLLM_API_KEY"
@@ -63,6 +64,56 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--uvicorn-log-level", default="info")
+    add_limit_arguments(p)
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """Bounds on untrusted input (see `tinyvllm.server.limits` for the defaults' reasons)."""
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="let clients name files under DIR as file:// image/video URLs (default: file:// "
+        "URLs are refused; data: URLs always work)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies get a 413 (default 64 MiB)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        help="larger images (width x height, and video frames) get a 400 (default 89478485, "
+        "Pillow's decompression-bomb threshold)",
+    )
+    p.add_argument(
+        "--max-media-pixels-per-request",
+        type=int,
+        default=None,
+        help="requests whose images and kept video frames add up to more pixels get a 400 "
+        "(default: 3x --max-image-pixels' default)",
+    )
+    p.add_argument(
+        "--max-video-frames",
+        type=int,
+        default=None,
+        help="videos with more frames get a 400 (default 18000)",
+    )
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The limits the flags set (the defaults where not given); ValueError naming a bad flag."""
+    from tinyvllm.server.limits import ServerLimits, limit_names
+
+    given: dict[str, Any] = {
+        n: getattr(args, n) for n in limit_names() if getattr(args, n) is not None
+    }
+    if args.allowed_local_media_path is not None:
+        given["allowed_local_media_path"] = Path(args.allowed_local_media_path)
+    return ServerLimits(**given)
 
 
 def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,6 +189,7 @@ def load_server_state(
     from tinyvllm.server.serving import ServerState
 
     chat_template = read_chat_template(args.chat_template)
+    limits = server_limits(args)
     engine = AsyncLLM(model, **engine_kwargs)
     try:
         model_path = engine.engine.config.model.model_path
@@ -148,6 +200,7 @@ def load_server_state(
             api_key=api_key(args),
             chat_template=chat_template,
             sampling_defaults=model_sampling_defaults(model_path),
+            limits=limits,
         )
     except BaseException:
         engine.shutdown()

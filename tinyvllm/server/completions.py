@@ -12,6 +12,8 @@ from fastapi.responses import StreamingResponse
 
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.server.errors import bad_request
+from tinyvllm.server.limits import MAX_BATCH
 from tinyvllm.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -56,6 +58,12 @@ async def create_completion(
     state.check_generative(req.model)
     params = completion_sampling(req, state.sampling_defaults)
     prompts = engine_prompts(req.prompt, "prompt")
+    if len(prompts) * params.n > MAX_BATCH:
+        raise bad_request(
+            f"{len(prompts)} prompts x n={params.n} would start {len(prompts) * params.n} "
+            f"sequences; at most {MAX_BATCH} per request: split the batch or lower n",
+            "n",
+        )
     if not req.add_special_tokens:
         prompts = await _tokenized(state, prompts)
     request_id = req.request_id or new_id("cmpl")

@@ -12,6 +12,7 @@ from typing import Any
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.server.errors import bad_request
+from tinyvllm.server.limits import MAX_N
 from tinyvllm.server.protocol import (
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -21,8 +22,13 @@ from tinyvllm.server.protocol import (
     TopLogprob,
 )
 
-# OpenAI's upper bound on top_logprobs (chat) and logprobs (completions).
+# OpenAI's upper bound on top_logprobs (chat) and logprobs (completions); vLLM's default
+# max_logprobs bounds prompt_logprobs the same (each is a dict per token in the answer).
 MAX_LOGPROBS = 20
+# Stop strings are searched for in every step's new text, on the engine's thread, so many or
+# long ones would slow every request in the batch (OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
 
 _PASSTHROUGH = (
     "n",
@@ -57,6 +63,7 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams (DELTA outputs); a bad value is a 400 naming its field."""
     _refuse_unsupported(req)
+    _check_bounds(req)
     values: dict[str, Any] = {name: getattr(req, name) for name in _PASSTHROUGH}
     for name in _MODEL_DEFAULTED:
         value = getattr(req, name)
@@ -73,6 +80,24 @@ def sampling_params(
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc), _field_named(str(exc))) from None
+
+
+def _check_bounds(req: SamplingFields) -> None:
+    """400s for values that would let one request cost the others memory or time."""
+    if req.n > MAX_N:  # each choice is an engine request
+        raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
+    _check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop"
+        )
+    long = [s for s in stops if len(s) > MAX_STOP_LENGTH]
+    if long:
+        raise bad_request(
+            f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {len(long[0])}",
+            "stop",
+        )
 
 
 def _field_named(message: str) -> str | None:

@@ -25,6 +25,7 @@ from tinyvllm.engine.streams import EngineDeadError, RequestError
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.server.errors import APIError, error_body
+from tinyvllm.server.limits import MAX_BATCH, ServerLimits
 from tinyvllm.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -43,6 +44,7 @@ class ServerState:
     # them).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property
     def model_name(self) -> str:
@@ -100,6 +102,13 @@ def engine_prompts(value: Any, param: str) -> list[Any]:
         raise APIError(400, f"{param} must not be empty", param)
     if all(isinstance(x, int) for x in value):
         return [{"prompt_token_ids": list(value)}]
+    if len(value) > MAX_BATCH:
+        raise APIError(
+            400,
+            f"{param} holds {len(value)} prompts; at most {MAX_BATCH} per request: split the "
+            "batch over several requests",
+            param,
+        )
     return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in value]
 
 
