@@ -13,12 +13,9 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     GraniteMoeHybridMambaLayer,
 )
 
-from tinyvllm.models.layers.mamba2 import (
-    Mamba2Config,
-    Mamba2Mixer,
-    RecurrentBatch,
-    mamba2_config_from_hf,
-)
+from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.attention.recurrent import RecurrentMetadata
+from tinyvllm.models.layers.mamba2 import Mamba2Config, Mamba2Mixer, mamba2_config_from_hf
 
 HIDDEN = 32
 TOLERANCE = 2e-5
@@ -58,10 +55,31 @@ def make_pair(
 
 
 def bind_zero_state(mixer: Mamba2Mixer, slots: int) -> None:
-    c = mixer.config
     # Stale garbage, not zeros: a first chunk must never read its slot.
-    mixer.bind_state(
-        torch.randn(slots, *c.conv_state_shape()), torch.randn(slots, *c.ssm_state_shape())
+    mixer.states = [torch.randn(slots, *s.shape, dtype=s.dtype) for s in mixer.state_shapes()]
+
+
+def step_metadata(
+    bounds: Sequence[int], slots: Sequence[int], carried: Sequence[bool]
+) -> AttentionMetadata:
+    """The metadata the runner hands a packed step (only what a mixer reads is meaningful)."""
+    num = len(slots)
+    query_lens = [bounds[i + 1] - bounds[i] for i in range(num)]
+    return AttentionMetadata(
+        num_reqs=num,
+        num_actual_tokens=bounds[-1],
+        query_start_loc=torch.tensor(bounds, dtype=torch.int32),
+        seq_lens=torch.tensor(query_lens, dtype=torch.int32),
+        block_table=torch.zeros(num, 1, dtype=torch.int32),
+        slot_mapping=torch.full((bounds[-1],), -1, dtype=torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(query_lens),
+        query_start_loc_cpu=list(bounds),
+        seq_lens_cpu=query_lens,
+        block_size=16,
+        recurrent=RecurrentMetadata.build(
+            list(slots), list(carried), query_lens, torch.device("cpu")
+        ),
     )
 
 
@@ -76,7 +94,7 @@ def run(
     for part in parts:
         bounds.append(bounds[-1] + part.shape[0])
     with torch.no_grad():
-        out = mixer(torch.cat(list(parts)), RecurrentBatch(bounds, slots, carried))
+        out = mixer(torch.cat(list(parts)), step_metadata(bounds, slots, carried))
     return [out[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
 
 
@@ -131,8 +149,8 @@ def test_decode_steps_continue_prefill_in_a_mixed_batch() -> None:
     torch.testing.assert_close(torch.cat(outs_b), hf_out(hf, b), atol=TOLERANCE, rtol=1e-4)
 
 
-def test_first_chunk_ignores_stale_slot_in_decode_path() -> None:
-    # A one-token prompt takes the batched step path: its slot's garbage must read as zeros.
+def test_first_chunk_ignores_stale_slot() -> None:
+    # A one-token prompt's slot may hold a finished request's state: it must read as zeros.
     hf, ours = make_pair(hf_config())
     x = torch.randn(1, HIDDEN)
     got = run(ours, [x], [2], [False])[0]
@@ -143,5 +161,13 @@ def test_bad_sizes_name_the_field() -> None:
     with pytest.raises(ValueError, match="n_groups=3 must divide"):
         Mamba2Config(32, 8, 8, 3, 16, 4, 8, 1e-5)
     mixer = Mamba2Mixer(mamba2_config_from_hf(hf_config()))
-    with pytest.raises(ValueError, match="conv state"):
-        mixer.bind_state(torch.zeros(2, 3, 3), torch.zeros(2, *mixer.config.ssm_state_shape()))
+    with pytest.raises(RuntimeError, match="recurrent states bound"):
+        mixer(torch.zeros(1, HIDDEN), step_metadata([0, 1], [0], [False]))
+
+
+def test_state_shapes() -> None:
+    c = mamba2_config_from_hf(hf_config())
+    conv, ssm = Mamba2Mixer(c).state_shapes()
+    # x (8 heads x 8) plus B and C for 2 groups of 16; the window keeps kernel - 1 inputs.
+    assert conv.shape == (64 + 2 * 2 * 16, 3) and conv.dtype == torch.get_default_dtype()
+    assert ssm.shape == (8, 8, 16) and ssm.dtype == torch.float32

@@ -9,15 +9,15 @@ reads / writes each sequence's recurrent state slot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.models.layers.linear import ReplicatedLinear, new_parameter
+from tinyvllm.models.layers.recurrent import RecurrentLayer, StateShape
 from tinyvllm.models.layers.ssd import (
     causal_conv1d,
     causal_conv1d_step,
@@ -26,6 +26,10 @@ from tinyvllm.models.layers.ssd import (
     ssd_step,
 )
 from tinyvllm.quant.config import QuantConfig
+
+if TYPE_CHECKING:
+    from tinyvllm.attention.backend import AttentionMetadata
+    from tinyvllm.attention.recurrent import RecurrentMetadata
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,7 @@ class Mamba2Config:
             )
         if self.num_heads % self.n_groups:
             raise ValueError(
-                f"Mamba2 n_groups={self.n_groups} must divide the number of heads "
-                f"{self.num_heads}"
+                f"Mamba2 n_groups={self.n_groups} must divide the number of heads {self.num_heads}"
             )
 
     @property
@@ -79,24 +82,18 @@ class Mamba2Config:
         return (self.num_heads, self.head_dim, self.state_size)
 
 
-@dataclass(frozen=True)
-class RecurrentBatch:
-    """Where each sequence of a packed step starts and which state slot it owns.
+class Mamba2Mixer(RecurrentLayer):
+    """One Mamba2 layer over a packed batch. Its states (bound by the runner) are the conv
+    window [slots, C, K-1] in the model dtype and the SSM state [slots, h, p, n] in
+    `ssm_state_dtype` (float32 by default: the recurrence accumulates over the whole
+    sequence, as HF's cache does)."""
 
-    `query_start_loc` has one more entry than there are sequences (host ints: slicing must not
-    sync the device); sequence i's tokens are [query_start_loc[i], query_start_loc[i+1]).
-    `slots[i]` indexes the layer's state tensors; `has_initial_state[i]` is False for a
-    sequence's first chunk (its slot holds stale values, read as zeros)."""
-
-    query_start_loc: Sequence[int]
-    slots: Sequence[int]
-    has_initial_state: Sequence[bool]
-
-
-class Mamba2Mixer(nn.Module):
-    """One Mamba2 layer over a packed batch; states are bound by the runner (`bind_state`)."""
-
-    def __init__(self, config: Mamba2Config, quant_config: QuantConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: Mamba2Config,
+        quant_config: QuantConfig | None = None,
+        ssm_state_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.config = config
         c = config
@@ -115,18 +112,15 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = ReplicatedLinear(
             c.intermediate_size, c.hidden_size, c.proj_bias, quant_config
         )
-        self.conv_state: torch.Tensor | None = None  # [slots, C, K-1]
-        self.ssm_state: torch.Tensor | None = None  # [slots, h, p, n]
+        self.conv_dtype = torch.get_default_dtype()  # the model dtype while it is built
+        self.ssm_state_dtype = ssm_state_dtype
 
-    def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+    def state_shapes(self) -> list[StateShape]:
         c = self.config
-        if tuple(conv_state.shape[1:]) != c.conv_state_shape():
-            raise ValueError(
-                f"conv state {tuple(conv_state.shape)} does not fit {c.conv_state_shape()}"
-            )
-        if tuple(ssm_state.shape[1:]) != c.ssm_state_shape():
-            raise ValueError(f"SSM state {tuple(ssm_state.shape)} does not fit {c.ssm_state_shape()}")
-        self.conv_state, self.ssm_state = conv_state, ssm_state
+        return [
+            StateShape(c.conv_state_shape(), self.conv_dtype),
+            StateShape(c.ssm_state_shape(), self.ssm_state_dtype),
+        ]
 
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
         low, high = self.config.time_step_limit
@@ -144,27 +138,35 @@ class Mamba2Mixer(nn.Module):
             C.reshape(*lead, c.n_groups, c.state_size),
         )
 
-    def forward(self, hidden: torch.Tensor, batch: RecurrentBatch) -> torch.Tensor:
-        """hidden [T, hidden_size] (all sequences packed) -> [T, hidden_size]; each
-        sequence's conv window and SSM state are read from and written back to its slot."""
-        if self.conv_state is None or self.ssm_state is None:
-            raise RuntimeError("Mamba2Mixer has no recurrent state bound (bind_state)")
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, hidden_size] (all requests packed) -> [T, hidden_size]; each request's
+        conv window and SSM state are read from and written back to its slot."""
+        recurrent = metadata.recurrent
+        if recurrent is None or len(self.states) != 2:
+            raise RuntimeError(
+                "Mamba2Mixer needs its recurrent states bound and AttentionMetadata.recurrent "
+                "set (the runner's mamba_hybrid model state does both)"
+            )
         c = self.config
         gate, xbc, dt = self.in_proj(hidden).split(
             [c.intermediate_size, c.conv_dim, c.num_heads], dim=-1
         )
         A = -torch.exp(self.A_log.float())
         y = torch.empty(hidden.shape[0], c.intermediate_size, device=hidden.device)
-        bounds = batch.query_start_loc
-        single = [i for i in range(len(batch.slots)) if bounds[i + 1] - bounds[i] == 1]
-        if single:
-            self._step(xbc, dt, A, batch, single, y)
-        for i in range(len(batch.slots)):
+        if recurrent.decode_indices_cpu:
+            self._step(xbc, dt, A, metadata, recurrent, y)
+        bounds = metadata.query_start_loc_cpu
+        for i in recurrent.prefill_indices_cpu:
             start, end = bounds[i], bounds[i + 1]
-            if end - start > 1:
-                self._scan(xbc[start:end], dt[start:end], A, batch, i, y[start:end])
+            slot = recurrent.state_indices_cpu[i]
+            carried = recurrent.has_initial_state_cpu[i]
+            self._scan(xbc[start:end], dt[start:end], A, slot, carried, y[start:end])
         out = gated_rms_norm(
-            y, gate, self.norm.weight, c.rms_norm_eps, c.intermediate_size // c.n_groups,
+            y,
+            gate,
+            self.norm.weight,
+            c.rms_norm_eps,
+            c.intermediate_size // c.n_groups,
             c.norm_before_gate,
         )
         return self.out_proj(out.to(hidden.dtype))
@@ -174,48 +176,45 @@ class Mamba2Mixer(nn.Module):
         xbc: torch.Tensor,
         dt: torch.Tensor,
         A: torch.Tensor,
-        batch: RecurrentBatch,
-        i: int,
+        slot: int,
+        carried: bool,
         y_out: torch.Tensor,
     ) -> None:
-        """One sequence of several tokens: conv over its window, chunked SSD scan."""
-        assert self.conv_state is not None and self.ssm_state is not None
-        slot, carried = batch.slots[i], batch.has_initial_state[i]
-        window = self.conv_state[slot] if carried else torch.zeros_like(self.conv_state[slot])
+        """One request's chunk: conv over its window, chunked SSD scan, state written back."""
+        conv_state, ssm_state = self.states
+        # Zeros when not carried, whatever the slot holds (the runner zeroes it too).
+        window = conv_state[slot] if carried else torch.zeros_like(conv_state[slot])
         conv, new_window = causal_conv1d(xbc, window, self.conv1d.weight[:, 0], self.conv1d.bias)
         x, B, C = self._split_xbc(F.silu(conv))
-        initial = self.ssm_state[slot] if carried else None
+        initial = ssm_state[slot] if carried else None
         y, state = ssd_scan(x, self._dt(dt), A, B, C, self.config.chunk_size, initial)
         y_out.copy_((y + x.float() * self.D.float()[:, None]).flatten(-2))
-        self.conv_state[slot] = new_window
-        self.ssm_state[slot] = state
+        conv_state[slot] = new_window
+        ssm_state[slot] = state
 
     def _step(
         self,
         xbc: torch.Tensor,
         dt: torch.Tensor,
         A: torch.Tensor,
-        batch: RecurrentBatch,
-        rows: list[int],
+        metadata: AttentionMetadata,
+        recurrent: RecurrentMetadata,
         y: torch.Tensor,
     ) -> None:
-        """All one-token sequences at once (decode): the recurrent update of their slots."""
-        assert self.conv_state is not None and self.ssm_state is not None
-        device = xbc.device
-        tokens = torch.tensor([batch.query_start_loc[i] for i in rows], device=device)
-        slots = torch.tensor([batch.slots[i] for i in rows], device=device)
-        carried = torch.tensor([batch.has_initial_state[i] for i in rows], device=device)
-        keep = carried.view(-1, 1, 1)
-        windows = torch.where(keep, self.conv_state[slots], 0)
+        """All decode requests at once (one token each, continuing their slot's state), with
+        device-side indices only: no host sync."""
+        conv_state, ssm_state = self.states
+        rows = recurrent.decode_indices
+        tokens = metadata.query_start_loc[rows].long()
+        slots = recurrent.state_indices[rows]
         conv, new_windows = causal_conv1d_step(
-            xbc[tokens], windows, self.conv1d.weight[:, 0], self.conv1d.bias
+            xbc[tokens], conv_state[slots], self.conv1d.weight[:, 0], self.conv1d.bias
         )
         x, B, C = self._split_xbc(F.silu(conv))
-        states = torch.where(keep.unsqueeze(-1), self.ssm_state[slots].float(), 0)
-        out, new_states = ssd_step(x, self._dt(dt[tokens]), A, B, C, states)
+        out, new_states = ssd_step(x, self._dt(dt[tokens]), A, B, C, ssm_state[slots])
         y[tokens] = (out + x.float() * self.D.float()[:, None]).flatten(-2)
-        self.conv_state[slots] = new_windows.to(self.conv_state.dtype)
-        self.ssm_state[slots] = new_states.to(self.ssm_state.dtype)
+        conv_state[slots] = new_windows.to(conv_state.dtype)
+        ssm_state[slots] = new_states.to(ssm_state.dtype)
 
 
 def mamba2_config_from_hf(config: Any, prefix: str = "mamba_") -> Mamba2Config:
