@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from granite_hybrid_fixtures import TINY_GRANITE
 from transformers import GraniteMoeHybridConfig
 from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     GraniteMoeHybridMambaLayer,
@@ -22,19 +23,12 @@ TOLERANCE = 2e-5
 
 
 def hf_config(**overrides: object) -> GraniteMoeHybridConfig:
-    values: dict[str, object] = dict(
-        hidden_size=HIDDEN,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        layer_types=["mamba"],
-        mamba_n_heads=8,
-        mamba_n_groups=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=8,
-        rms_norm_eps=1e-5,
-    )
+    values: dict[str, object] = {
+        **TINY_GRANITE,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 1,
+        "layer_types": ["mamba"],
+    }
     values.update(overrides)
     return GraniteMoeHybridConfig(**values)
 

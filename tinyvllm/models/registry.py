@@ -31,6 +31,11 @@ _LLAMA = "tinyvllm.models.llama"
 
 _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
+        "GraniteMoeHybridForCausalLM": ModelEntry(
+            "tinyvllm.models.granite_moe_hybrid",
+            "GraniteMoeHybridForCausalLM",
+            state_kind="mamba_hybrid",
+        ),
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
