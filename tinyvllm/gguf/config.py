@@ -31,6 +31,12 @@ GGUF_ARCHITECTURES: Mapping[str, tuple[str, str]] = MappingProxyType(
     }
 )
 
+# GGUF architectures of models tinyvllm runs from their safetensors checkpoint only: the
+# metadata -> config mapping (SSM keys, per-layer head counts) is not written yet.
+GGUF_SAFETENSORS_ONLY: Mapping[str, str] = MappingProxyType(
+    {"granitehybrid": "GraniteMoeHybridForCausalLM"}
+)
+
 # general.file_type -> the dtype "auto" picks (fp16 becomes bf16 on CPU later); any
 # quantized file runs in bf16, whose range is safe for dequantized weights.
 _FILE_TYPE_DTYPES: Mapping[int, str] = MappingProxyType(
@@ -102,6 +108,12 @@ def _float(gf: GGUFFile, key: str, default: float) -> float:
 def check_architecture(gf: GGUFFile) -> tuple[str, str]:
     """(model_type, architecture) for the file; ValueError naming unsupported ones."""
     arch = gf.architecture
+    if arch in GGUF_SAFETENSORS_ONLY:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported yet: tinyvllm runs "
+            f"{GGUF_SAFETENSORS_ONLY[arch]} from its safetensors checkpoint (give the hub id or "
+            "model directory instead of the .gguf file)"
+        )
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: "
