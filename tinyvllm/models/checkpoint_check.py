@@ -116,9 +116,13 @@ def check_config_values(config: Any, origin: str, describe: Callable[[str], str]
             raise bad(name, "must be a finite positive number", value)
 
 
-def check_against_checkpoint(config: Any, directory: TensorDirectory) -> None:
+def check_against_checkpoint(
+    config: Any, directory: TensorDirectory, model_cls: type | None = None
+) -> None:
     """The config's sizes agree with the checkpoint's tensor shapes (layer count from the layer
     tensors, vocabulary and hidden size from the embedding, heads and MLP width from layer 0).
+    A model class whose layers differ from Llama's (hybrids) names its own layer tensors with
+    a static `checkpoint_shapes(config) -> {name: (shape, config fields)}`.
     Raises ValueError naming the file and the field."""
     check_config_values(config, directory.origin, directory.describe)
     layers = config.num_hidden_layers
@@ -128,10 +132,13 @@ def check_against_checkpoint(config: Any, directory: TensorDirectory) -> None:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = config.intermediate_size
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-    expected: dict[str, tuple[tuple[int, int], tuple[str, str]]] = {
+    expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
         "model.embed_tokens.weight": ((config.vocab_size, hidden), ("vocab_size", "hidden_size")),
     }
-    if layers:
+    own_shapes = getattr(model_cls, "checkpoint_shapes", None)
+    if own_shapes is not None:
+        expected |= own_shapes(config)
+    elif layers:
         attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
         expected |= {
             f"{attn}.q_proj.weight": ((q_rows, hidden), ("num_attention_heads", "hidden_size")),
@@ -158,7 +165,7 @@ def check_layer_count(layers: int, directory: TensorDirectory) -> None:
 
 
 def _check_shape(
-    directory: TensorDirectory, name: str, shape: tuple[int, int], fields: tuple[str, str]
+    directory: TensorDirectory, name: str, shape: tuple[int, ...], fields: tuple[str, ...]
 ) -> None:
     actual = directory.shapes.get(name)
     if actual is None:
