@@ -7,6 +7,9 @@ from typing import Any
 
 from tinyvllm.quant.config import QuantConfig, parse_quantization
 
+# Supported values of mamba_cache_mode (vLLM also has "all": snapshots at every block).
+MAMBA_CACHE_MODES = ("align", "none")
+
 
 @dataclass
 class ModelConfig:
@@ -35,6 +38,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Hybrid models' recurrent state in the prefix cache (vLLM's name): "align" snapshots the
+    # state where prefill chunks end on block boundaries; "none" caches no state (and so no
+    # prefix of a hybrid model). Models without recurrent layers ignore it.
+    mamba_cache_mode: str = "align"
+
+    @property
+    def caches_state_snapshots(self) -> bool:
+        return self.enable_prefix_caching and self.mamba_cache_mode == "align"
 
 
 @dataclass
@@ -93,6 +104,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # "align" | "none": see CacheConfig.mamba_cache_mode.
+    mamba_cache_mode: str = "align"
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
@@ -129,6 +142,11 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         parse_quantization(self.quantization)
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
+                f"{self.mamba_cache_mode!r} (vLLM's 'all' mode is not supported)"
+            )
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"

@@ -37,8 +37,16 @@ class Engine:
         self.runner = ModelRunner(config, dtype, device)
         kv_size = self.runner.initialize_kv_cache()
         self.config = config = _fit_to_kv_cache(config, kv_size.max_model_len)
+        caching = config.cache.enable_prefix_caching
+        if kv_size.num_running_states and not config.cache.caches_state_snapshots:
+            # A hybrid model resumes a prefix only from a state snapshot: none, no hits.
+            caching = False
         self.kv_cache_manager = KVCacheManager(
-            kv_size.num_blocks, kv_size.block_size, config.cache.enable_prefix_caching
+            kv_size.num_blocks,
+            kv_size.block_size,
+            caching,
+            kv_size.num_running_states,
+            kv_size.num_snapshot_states,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(tokenizer)

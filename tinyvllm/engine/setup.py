@@ -38,6 +38,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
+        mamba_cache_mode=args.mamba_cache_mode,
     )
 
     # Tables sized by the context (rope, request rows) are built before the KV cache is

@@ -116,47 +116,39 @@ def check_config_values(config: Any, origin: str, describe: Callable[[str], str]
             raise bad(name, "must be a finite positive number", value)
 
 
-# tensor name -> (shape the config implies, the config fields that give it)
-ShapeChecks = dict[str, tuple[tuple[int, ...], tuple[str, ...]]]
-
-
-def llama_layer_shapes(config: Any) -> ShapeChecks:
-    """Layer 0's attention and MLP shapes under Llama-family tensor names."""
+def check_against_checkpoint(
+    config: Any, directory: TensorDirectory, model_cls: type | None = None
+) -> None:
+    """The config's sizes agree with the checkpoint's tensor shapes (layer count from the layer
+    tensors, vocabulary and hidden size from the embedding, heads and MLP width from layer 0).
+    A model class whose layers differ from Llama's (hybrids) names its own layer tensors with
+    a static `checkpoint_shapes(config) -> {name: (shape, config fields)}`.
+    Raises ValueError naming the file and the field."""
+    check_config_values(config, directory.origin, directory.describe)
+    layers = config.num_hidden_layers
+    check_layer_count(layers, directory)
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = config.intermediate_size
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
-    return {
-        f"{attn}.q_proj.weight": ((q_rows, hidden), ("num_attention_heads", "hidden_size")),
-        f"{attn}.k_proj.weight": ((kv_rows, hidden), ("num_key_value_heads", "hidden_size")),
-        f"{attn}.v_proj.weight": ((kv_rows, hidden), ("num_key_value_heads", "hidden_size")),
-        f"{attn}.o_proj.weight": ((hidden, q_rows), ("hidden_size", "num_attention_heads")),
-        f"{mlp}.gate_proj.weight": ((inter, hidden), ("intermediate_size", "hidden_size")),
-        f"{mlp}.up_proj.weight": ((inter, hidden), ("intermediate_size", "hidden_size")),
-        f"{mlp}.down_proj.weight": ((hidden, inter), ("hidden_size", "intermediate_size")),
+    expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
+        "model.embed_tokens.weight": ((config.vocab_size, hidden), ("vocab_size", "hidden_size")),
     }
-
-
-def check_against_checkpoint(
-    config: Any, directory: TensorDirectory, layer_shapes: ShapeChecks | None = None
-) -> None:
-    """The config's sizes agree with the checkpoint's tensor shapes (layer count from the layer
-    tensors, vocabulary and hidden size from the embedding, heads and MLP width from
-    `layer_shapes`: the model class's own, by default Llama's layer 0).
-    Raises ValueError naming the file and the field."""
-    check_config_values(config, directory.origin, directory.describe)
-    layers = config.num_hidden_layers
-    check_layer_count(layers, directory)
-    expected: ShapeChecks = {
-        "model.embed_tokens.weight": (
-            (config.vocab_size, config.hidden_size),
-            ("vocab_size", "hidden_size"),
-        ),
-    }
-    if layers:
-        expected |= llama_layer_shapes(config) if layer_shapes is None else layer_shapes
+    own_shapes = getattr(model_cls, "checkpoint_shapes", None)
+    if own_shapes is not None:
+        expected |= own_shapes(config)
+    elif layers:
+        attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+        expected |= {
+            f"{attn}.q_proj.weight": ((q_rows, hidden), ("num_attention_heads", "hidden_size")),
+            f"{attn}.k_proj.weight": ((kv_rows, hidden), ("num_key_value_heads", "hidden_size")),
+            f"{attn}.v_proj.weight": ((kv_rows, hidden), ("num_key_value_heads", "hidden_size")),
+            f"{attn}.o_proj.weight": ((hidden, q_rows), ("hidden_size", "num_attention_heads")),
+            f"{mlp}.gate_proj.weight": ((inter, hidden), ("intermediate_size", "hidden_size")),
+            f"{mlp}.up_proj.weight": ((inter, hidden), ("intermediate_size", "hidden_size")),
+            f"{mlp}.down_proj.weight": ((hidden, inter), ("hidden_size", "intermediate_size")),
+        }
     for name, (shape, fields) in expected.items():
         _check_shape(directory, name, shape, fields)
 

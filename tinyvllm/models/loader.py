@@ -224,11 +224,7 @@ def load_model(
     model_cls = get_model_class(hf_config)
     path = Path(model_dir)
     # Every size the model allocates must agree with a tensor really in the file.
-    # Hybrid families name their layer tensors differently from Llama and say which to check.
-    layer_shapes = getattr(model_cls, "checkpoint_shapes", None)
-    check_against_checkpoint(
-        hf_config, tensor_directory(path), None if layer_shapes is None else layer_shapes(hf_config)
-    )
+    check_against_checkpoint(hf_config, tensor_directory(path), model_cls)
     # Parameters are allocated directly on the device in the target dtype (uninitialised:
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):

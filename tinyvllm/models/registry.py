@@ -18,8 +18,8 @@ class ModelEntry:
     module: str
     class_name: str
     # Which runner model state (tinyvllm.runner.model_states) handles this model: "default"
-    # (plain text), later e.g. "mrope" for video VLMs or "mamba_hybrid" for models with
-    # recurrent state.
+    # (plain text), "mamba_hybrid" (recurrent state slots: short-conv / Mamba layers beside
+    # attention), later e.g. "mrope" for video VLMs.
     state_kind: str = "default"
 
     def load_class(self) -> type[nn.Module]:
@@ -28,15 +28,15 @@ class ModelEntry:
 
 
 _LLAMA = "tinyvllm.models.llama"
+_HYBRID = "mamba_hybrid"
 
 _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
         "GraniteMoeHybridForCausalLM": ModelEntry(
-            "tinyvllm.models.granite_moe_hybrid",
-            "GraniteMoeHybridForCausalLM",
-            state_kind="mamba_hybrid",
+            "tinyvllm.models.granite_moe_hybrid", "GraniteMoeHybridForCausalLM", _HYBRID
         ),
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
+        "Lfm2ForCausalLM": ModelEntry("tinyvllm.models.lfm2", "Lfm2ForCausalLM", _HYBRID),
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
         "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3ForCausalLM"),

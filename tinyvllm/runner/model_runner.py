@@ -28,7 +28,12 @@ from tinyvllm.runner.cuda_graphs import (
 )
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
-from tinyvllm.runner.kv_cache import KVCacheSize, allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.kv_cache import (
+    KVCacheSize,
+    allocate_kv_caches,
+    allocate_state_tensors,
+    determine_num_blocks,
+)
 from tinyvllm.runner.model_states import ModelInputs, ModelState, model_state_class
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
@@ -76,10 +81,18 @@ class ModelRunner:
             self.model, config.scheduler.max_num_seqs, device
         )
         self.layers = self.model.attention_layers()
+        # Hybrid models' mixer layers with per-request recurrent state (empty: none).
+        self.recurrent_layers = list(getattr(self.model, "recurrent_layers", list)())
         self.backend = self.platform.attention_backend(config.device.attention_backend)
         self.draft: DraftModelProposer | None = None
         kv_layers = list(self.layers)
         spec = config.speculative
+        if spec is not None and self.recurrent_layers:
+            raise ValueError(
+                f"speculative decoding is not supported for {mc.model!r}: its recurrent "
+                "(short-conv / Mamba) layers cannot roll back rejected draft tokens; "
+                "drop speculative_config"
+            )
         if spec is not None and spec.method == "draft_model":
             draft_model = load_draft_model(
                 spec.model,
@@ -120,10 +133,17 @@ class ModelRunner:
             config.scheduler.max_num_seqs,
             profile_peak_bytes=self._profile_peak_bytes if self.device.type == "cuda" else None,
             may_shrink_max_model_len=not mc.max_model_len_explicit,
+            recurrent_layers=self.recurrent_layers,
+            cache_state_snapshots=config.cache.caches_state_snapshots,
         )
         self.max_model_len = max_model_len = size.max_model_len
         self.kv_caches = allocate_kv_caches(
             self.kv_layers, self.backend, size.num_blocks, self.block_size, self.dtype, self.device
+        )
+        allocate_state_tensors(
+            self.recurrent_layers,
+            size.num_running_states + size.num_snapshot_states,
+            self.device,
         )
         # Built after the KV caches exist: the program points into them.
         self.decode_program = self.platform.decode_program(self.model)
@@ -152,6 +172,7 @@ class ModelRunner:
 
     def _execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
+        self.model_state.begin_step(sched)
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             row = states.req_id_to_row.get(req_id)
             if row is not None:
@@ -327,6 +348,10 @@ class ModelRunner:
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.info("CUDA graphs off: the %s attention backend is eager-only", self.backend)
             return None
+        if self.recurrent_layers:
+            # The graphs' input buffers carry no recurrent-state metadata.
+            logger.info("CUDA graphs off: hybrid models with recurrent state run eagerly")
+            return None
         sched = self.config.scheduler
         sizes = cuda_graph_batch_sizes(sched.max_num_seqs)
         dispatcher = CudaGraphDispatcher(sizes)
@@ -382,6 +407,7 @@ class ModelRunner:
         allocate_kv_caches(
             self.layers, self.backend, num_blocks, self.block_size, self.dtype, self.device
         )
+        allocate_state_tensors(self.recurrent_layers, 1, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
@@ -407,5 +433,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         for layer in self.layers:
             layer.kv_cache = None
+        for rec in self.recurrent_layers:
+            rec.states = []
         torch.cuda.empty_cache()
         return peak

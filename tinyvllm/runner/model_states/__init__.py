@@ -1,7 +1,8 @@
 """Model states: what the runner does differently per model kind (see `interface.py`).
 
-`state_kind` (from the model registry) -> the ModelState class. Kinds planned next: "mrope"
-(video / image VLMs), "mamba_hybrid" (recurrent state slots), "pooling" (encoder-only).
+`state_kind` (from the model registry) -> the ModelState class: "default" (text models),
+"mamba_hybrid" (recurrent state slots). Kinds planned next: "mrope" (video / image VLMs),
+"pooling" (encoder-only).
 """
 
 from __future__ import annotations
@@ -10,10 +11,17 @@ from types import MappingProxyType
 
 from tinyvllm.runner.model_states.default import DefaultModelState
 from tinyvllm.runner.model_states.interface import ModelInputs, ModelState
+from tinyvllm.runner.model_states.mamba_hybrid import MambaHybridModelState
 
-__all__ = ["DefaultModelState", "ModelInputs", "ModelState", "model_state_class"]
+__all__ = [
+    "DefaultModelState",
+    "MambaHybridModelState",
+    "ModelInputs",
+    "ModelState",
+    "model_state_class",
+]
 
-_KINDS = MappingProxyType({"default": DefaultModelState})
+_KINDS = MappingProxyType({"default": DefaultModelState, "mamba_hybrid": MambaHybridModelState})
 
 
 def model_state_class(state_kind: str) -> type[ModelState]:
