@@ -71,7 +71,9 @@ def build_granite_checkpoint(
         # Larger mixer weights than _randomize's, so the recurrent state visibly matters.
         for name, param in model.named_parameters():
             if "A_log" in name:
-                param.copy_(torch.rand(param.shape, generator=gen))  # decay/step in (0.07, 0.4)
+                # A = -exp(A_log) in (-0.37, -0.007): a state that remembers tens of tokens,
+                # so a lost or wrong state changes later tokens, not just the next few.
+                param.copy_(-1.0 - 4.0 * torch.rand(param.shape, generator=gen))
             elif ".mamba." in name and "norm" not in name:
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen))
     model.save_pretrained(out_dir)

@@ -114,6 +114,21 @@ def test_prefix_caching_on_off_identical(granite: tuple[Path, Any, list[list[int
     assert token_ids(on, prompts[:2]) == expected[:2]
 
 
+def test_restored_snapshot_continues_like_hf_cache(
+    granite: tuple[Path, Any, list[list[int]]],
+) -> None:
+    """A prompt extending an earlier one resumes from that prompt's state snapshot after its
+    third block (48 tokens) and matches HF continuing its own cache from token 48."""
+    model_dir, hf, _ = granite
+    first = token_prompts(3, [50])[0]
+    extended = first + token_prompts(4, [21])[0]
+    llm = make_llm(model_dir)
+    token_ids(llm, [first])
+    before = llm.get_stats().prefix_hits
+    assert token_ids(llm, [extended]) == [hf_greedy(hf, extended, MAX_TOKENS, split=48)]
+    assert llm.get_stats().prefix_hits - before == 48
+
+
 def test_unknown_layer_type_fails_at_load(
     granite: tuple[Path, Any, list[list[int]]], tmp_path: Path
 ) -> None:
