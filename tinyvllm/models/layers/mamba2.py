@@ -9,6 +9,7 @@ reads / writes each sequence's recurrent state slot.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +115,12 @@ class Mamba2Mixer(RecurrentLayer):
         )
         self.conv_dtype = torch.get_default_dtype()  # the model dtype while it is built
         self.ssm_state_dtype = ssm_state_dtype
+        # Chosen once, for the device the model is built on: on CUDA the decode step is two
+        # Triton launches (mamba2_triton.py) instead of a dozen small torch ops per layer.
+        self.triton_decode = (
+            torch.get_default_device().type == "cuda"
+            and importlib.util.find_spec("triton") is not None
+        )
 
     def state_shapes(self) -> list[StateShape]:
         c = self.config
@@ -207,6 +214,17 @@ class Mamba2Mixer(RecurrentLayer):
         rows = recurrent.decode_indices
         tokens = metadata.query_start_loc[rows].long()
         slots = recurrent.state_indices[rows]
+        if self.triton_decode:
+            from tinyvllm.models.layers.mamba2_triton import mamba2_decode_step
+
+            c = self.config
+            weight, bias = self.conv1d.weight, self.conv1d.bias
+            states = (conv_state, ssm_state)
+            params = (weight, bias, A, self.D, self.dt_bias)
+            mamba2_decode_step(
+                xbc, dt, tokens, slots, *states, *params, c.time_step_limit, c.n_groups, y
+            )
+            return
         conv, new_windows = causal_conv1d_step(
             xbc[tokens], conv_state[slots], self.conv1d.weight[:, 0], self.conv1d.bias
         )
