@@ -115,6 +115,15 @@ def test_packed_sequences_match_hf(overrides: dict[str, object]) -> None:
         torch.testing.assert_close(out, hf_out(hf, seq), atol=TOLERANCE, rtol=1e-4)
 
 
+def test_scan_chunk_is_capped_and_result_unchanged() -> None:
+    # HF scans this sequence as one chunk of 256; we scan chunks of 64 (faster on CPUs).
+    hf, ours = make_pair(hf_config(mamba_chunk_size=256))
+    assert ours.config.scan_chunk == 64
+    seq = torch.randn(150, HIDDEN)
+    got = run(ours, [seq], [0], [False])[0]
+    torch.testing.assert_close(got, hf_out(hf, seq), atol=TOLERANCE, rtol=1e-4)
+
+
 def test_chunks_carrying_state_match_one_shot() -> None:
     hf, ours = make_pair(hf_config())
     torch.manual_seed(2)
@@ -125,18 +134,20 @@ def test_chunks_carrying_state_match_one_shot() -> None:
     torch.testing.assert_close(torch.cat(got), hf_out(hf, seq), atol=TOLERANCE, rtol=1e-4)
 
 
-def test_decode_steps_continue_prefill_in_a_mixed_batch() -> None:
+# Slots apart (a gathered copy) and consecutive (updated in place through a view).
+@pytest.mark.parametrize("slots", [(0, 3), (2, 3)])
+def test_decode_steps_continue_prefill_in_a_mixed_batch(slots: tuple[int, int]) -> None:
     hf, ours = make_pair(hf_config())
     torch.manual_seed(3)
     a, b = torch.randn(14, HIDDEN), torch.randn(9, HIDDEN)
-    outs_a = run(ours, [a[:10]], [0], [False])
-    outs_b: list[torch.Tensor] = []
+    both = list(slots)
+    outs_a = run(ours, [a[:10]], [slots[0]], [False])
     # Request a decodes one token per step while b prefills, then both decode together.
-    outs_a_step, outs_b_pre = run(ours, [a[10:11], b[:6]], [0, 3], [True, False])
-    outs_a += [outs_a_step]
-    outs_b += [outs_b_pre]
+    step_a, step_b = run(ours, [a[10:11], b[:6]], both, [True, False])
+    outs_a.append(step_a)
+    outs_b = [step_b]
     for t in range(3):
-        step_a, step_b = run(ours, [a[11 + t : 12 + t], b[6 + t : 7 + t]], [0, 3], [True, True])
+        step_a, step_b = run(ours, [a[11 + t : 12 + t], b[6 + t : 7 + t]], both, [True, True])
         outs_a.append(step_a)
         outs_b.append(step_b)
     torch.testing.assert_close(torch.cat(outs_a), hf_out(hf, a), atol=TOLERANCE, rtol=1e-4)

@@ -61,8 +61,9 @@ def test_step_matches_torch(groups: int, bias: bool, limit: tuple[float, float])
     x, B, C = F.silu(conv).split([inter, groups * state, groups * state], dim=-1)
     x = x.reshape(-1, heads, head_dim)
     step_dt = F.softplus(dt[tokens] + dt_bias).clamp(*limit)
-    y_want, states_want = ssd_step(
-        x, step_dt, A, B.reshape(-1, groups, state), C.reshape(-1, groups, state), ssm_state[rows]
+    states_want = ssm_state[rows]  # a copy, stepped in place by the torch reference
+    y_want = ssd_step(
+        x, step_dt, A, B.reshape(-1, groups, state), C.reshape(-1, groups, state), states_want
     )
     y_want = (y_want + x * D[:, None]).flatten(-2)
 

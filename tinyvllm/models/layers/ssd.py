@@ -61,45 +61,55 @@ def ssd_scan(
 
     Returns (y [L, h, p] without the D skip, final state [h, p, n])."""
     length, num_heads, head_dim = x.shape
-    state_size = B.shape[-1]
+    groups, state_size = B.shape[1], B.shape[2]
+    per_group = num_heads // groups
     pad = (-length) % chunk_size
+    chunks, q = (length + pad) // chunk_size, chunk_size
     # Padded steps get dt = 0: no decay, no input, so the final state is unchanged by them.
     x, dt = F.pad(x.float(), (0, 0, 0, 0, 0, pad)), F.pad(dt.float(), (0, 0, 0, pad))
-    B = F.pad(_heads(B.float(), num_heads), (0, 0, 0, 0, 0, pad))
-    C = F.pad(_heads(C.float(), num_heads), (0, 0, 0, 0, 0, pad))
-    chunks = (length + pad) // chunk_size
-    shape = (chunks, chunk_size, num_heads)
-    xdt = (x * dt.unsqueeze(-1)).view(*shape, head_dim)
-    B, C = B.view(*shape, state_size), C.view(*shape, state_size)
-    # Log decay from the chunk's start to each step (inclusive): [c, l, h].
-    cum = torch.cumsum((dt * A.float()).view(shape), dim=1)
+    B, C = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)) for t in (B, C))
+    # Layouts that make every contraction a plain batched matmul: g = groups, r = heads per
+    # group. B and C are shared by a group's heads, so the products with them run once per
+    # group over all its heads' channels (r * p) instead of once per head.
+    xdt = (x * dt.unsqueeze(-1)).view(chunks, q, groups, per_group, head_dim)
+    Bg = B.view(chunks, q, groups, state_size).transpose(1, 2)  # [c, g, q, n]
+    Cg = C.view(chunks, q, groups, state_size).transpose(1, 2)
+    # Log decay from the chunk's start to each step (inclusive): [c, g, r, q].
+    cum = torch.cumsum((dt * A.float()).view(chunks, q, num_heads), dim=1)
+    cum = cum.view(chunks, q, groups, per_group).permute(0, 2, 3, 1)
 
     # Intra-chunk: y_l += sum_{s<=l} exp(cum_l - cum_s) (C_l . B_s) xdt_s. Differences for s > l
-    # are positive and masked to -inf before exp, so nothing overflows.
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    diff = cum.unsqueeze(2) - cum.unsqueeze(1)  # [c, l, s, h]
-    decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
-    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay
-    y = torch.einsum("clsh,cshp->clhp", scores, xdt)
+    # are positive and masked to -inf before exp, so nothing overflows. In place: this
+    # [c, g, r, q, q] tensor is the largest of the scan.
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    scores = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+    scores.masked_fill_(~causal, float("-inf")).exp_()
+    scores.mul_((Cg @ Bg.transpose(-1, -2)).unsqueeze(2))
+    y_diag = scores @ xdt.permute(0, 2, 3, 1, 4)  # [c, g, r, q, p]
 
-    # Each chunk's own contribution to the state at its end: [c, h, p, n].
-    to_end = torch.exp(cum[:, -1:] - cum)  # [c, l, h]
-    chunk_states = torch.einsum("clh,clhn,clhp->chpn", to_end, B, xdt)
-    chunk_decay = torch.exp(cum[:, -1])  # [c, h]: decay across a whole chunk
+    # Each chunk's own contribution to the state at its end: [c, g, r * p, n].
+    to_end = torch.exp(cum[..., -1:] - cum).permute(0, 3, 1, 2)  # [c, q, g, r]
+    weighted = (xdt * to_end.unsqueeze(-1)).view(chunks, q, groups, -1).permute(0, 2, 3, 1)
+    chunk_states = weighted @ Bg
+    chunk_decay = torch.exp(cum[..., -1]).repeat_interleave(head_dim, dim=-1)  # [c, g, r * p]
 
     # Inter-chunk: carry the state chunk by chunk (a few iterations: L / chunk_size).
+    shape = (groups, per_group * head_dim, state_size)
     state = (
-        torch.zeros(num_heads, head_dim, state_size, device=x.device)
+        torch.zeros(shape, device=x.device)
         if initial_state is None
-        else initial_state.float()
+        else initial_state.float().reshape(shape)
     )
     starts = []
     for c in range(chunks):
         starts.append(state)
-        state = state * chunk_decay[c][:, None, None] + chunk_states[c]
-    start_states = torch.stack(starts)  # [c, h, p, n]
-    y = y + torch.einsum("clhn,chpn->clhp", C, start_states) * torch.exp(cum).unsqueeze(-1)
-    return y.reshape(-1, num_heads, head_dim)[:length], state
+        state = state * chunk_decay[c].unsqueeze(-1) + chunk_states[c]
+    # From each chunk's start state: C_l . S, decayed to step l: [c, g, q, r, p].
+    y = (Cg @ torch.stack(starts).transpose(-1, -2)).view(chunks, groups, q, per_group, -1)
+    y *= torch.exp(cum).permute(0, 1, 3, 2).unsqueeze(-1)
+    y += y_diag.transpose(2, 3)
+    y = y.transpose(1, 2).reshape(chunks * q, num_heads, head_dim)
+    return y[:length], state.reshape(num_heads, head_dim, state_size)
 
 
 def ssd_step(
@@ -109,17 +119,21 @@ def ssd_step(
     B: torch.Tensor,
     C: torch.Tensor,
     state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One recurrent step for b sequences, in float32: x [b, h, p], dt [b, h], A [h],
-    B, C [b, g, n], state [b, h, p, n] -> (y [b, h, p] without the D skip, new state)."""
-    num_heads = x.shape[1]
+) -> torch.Tensor:
+    """One recurrent step for b sequences, updating `state` [b, h, p, n] (float32, contiguous)
+    in place: x [b, h, p], dt [b, h], A [h], B, C [b, g, n] -> y [b, h, p] without the D skip.
+
+    In place because the state is the largest thing a decode step touches (more bytes than a
+    small model's mixer weights): decay and rank-1 update are one pass each, y one read."""
+    batch, num_heads, head_dim = x.shape
+    rows, state_size = batch * num_heads, B.shape[-1]
     dt = dt.float()
     B, C = _heads(B.float(), num_heads), _heads(C.float(), num_heads)
-    decay = torch.exp(dt * A.float())[..., None, None]  # [b, h, 1, 1]
-    update = (x.float() * dt.unsqueeze(-1)).unsqueeze(-1) * B.unsqueeze(-2)  # [b, h, p, n]
-    new_state = state.float() * decay + update
-    y = torch.einsum("bhpn,bhn->bhp", new_state, C)
-    return y, new_state
+    flat = state.view(rows, head_dim, state_size)
+    flat.mul_(torch.exp(dt * A.float()).view(rows, 1, 1))
+    dtx = (x.float() * dt.unsqueeze(-1)).view(rows, head_dim, 1)
+    flat.baddbmm_(dtx, B.reshape(rows, 1, state_size))
+    return torch.bmm(flat, C.reshape(rows, state_size, 1)).view(batch, num_heads, head_dim)
 
 
 def gated_rms_norm(
