@@ -47,35 +47,92 @@ TINY_GRANITE: dict[str, Any] = dict(
 )
 
 
+TINY_NEMOTRON_H: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=5,
+    layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    ssm_state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=8,
+    layer_norm_epsilon=1e-5,
+    max_position_embeddings=512,
+)
+
+
 def build_granite_checkpoint(
     out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any
 ) -> Path:
     """A random-weight float32 GraniteMoeHybrid checkpoint plus the tokenizer in `out_dir`."""
-    from transformers import AutoTokenizer, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    return _save_hybrid(
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+        {**TINY_GRANITE, **overrides},
+        out_dir,
+        tokenizer_dir,
+        seed,
+    )
+
+
+def build_nemotron_h_checkpoint(
+    out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any
+) -> Path:
+    """A random-weight float32 NemotronH checkpoint (dense blocks) plus the tokenizer."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    return _save_hybrid(
+        NemotronHConfig,
+        NemotronHForCausalLM,
+        {**TINY_NEMOTRON_H, **overrides},
+        out_dir,
+        tokenizer_dir,
+        seed,
+    )
+
+
+def _save_hybrid(
+    config_cls: Any,
+    model_cls: Any,
+    values: dict[str, Any],
+    out_dir: Path,
+    tokenizer_dir: Path,
+    seed: int,
+) -> Path:
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = GraniteMoeHybridConfig(
+    config = config_cls(
         **{
-            **TINY_GRANITE,
             "vocab_size": len(tokenizer),
             "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
-            **overrides,
+            **values,
         }
     )
-    model = GraniteMoeHybridForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     _randomize(model, seed, std=0.1)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         # Larger mixer weights than _randomize's, so the recurrent state visibly matters.
-        for name, param in model.named_parameters():
-            if "A_log" in name:
-                # A = -exp(A_log) in (-0.37, -0.007): a state that remembers tens of tokens,
-                # so a lost or wrong state changes later tokens, not just the next few.
-                param.copy_(-1.0 - 4.0 * torch.rand(param.shape, generator=gen))
-            elif ".mamba." in name and "norm" not in name:
-                param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+        for module in model.modules():
+            if not hasattr(module, "A_log"):
+                continue
+            for name, param in module.named_parameters():
+                if name == "A_log":
+                    # A = -exp(A_log) in (-0.37, -0.007): a state that remembers tens of
+                    # tokens, so a lost or wrong state changes later tokens, not just the next.
+                    param.copy_(-1.0 - 4.0 * torch.rand(param.shape, generator=gen))
+                elif "norm" not in name:
+                    param.copy_(0.3 * torch.randn(param.shape, generator=gen))
     model.save_pretrained(out_dir)
     for path in Path(tokenizer_dir).iterdir():
         if path.is_file():

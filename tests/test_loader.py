@@ -18,7 +18,7 @@ from tinyvllm.models.registry import get_model_class, resolve_architecture, supp
 
 SUPPORTED = (
     "GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
-    "Qwen2ForCausalLM, Qwen3ForCausalLM"
+    "NemotronHForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
 )
 
 

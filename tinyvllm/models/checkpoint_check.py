@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# NemotronH checkpoints call the trunk "backbone".
+_LAYER = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.")
 _POSITIVE_INTS = (
     "vocab_size",
     "hidden_size",
@@ -122,7 +123,8 @@ def check_against_checkpoint(
     """The config's sizes agree with the checkpoint's tensor shapes (layer count from the layer
     tensors, vocabulary and hidden size from the embedding, heads and MLP width from layer 0).
     A model class whose layers differ from Llama's (hybrids) names its own layer tensors with
-    a static `checkpoint_shapes(config) -> {name: (shape, config fields)}`.
+    a static `checkpoint_shapes(config) -> {name: (shape, config fields)}`, and its embedding
+    with `embedding_tensor` when that is not `model.embed_tokens.weight`.
     Raises ValueError naming the file and the field."""
     check_config_values(config, directory.origin, directory.describe)
     layers = config.num_hidden_layers
@@ -132,8 +134,9 @@ def check_against_checkpoint(
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = config.intermediate_size
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+    embedding = getattr(model_cls, "embedding_tensor", "model.embed_tokens.weight")
     expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
-        "model.embed_tokens.weight": ((config.vocab_size, hidden), ("vocab_size", "hidden_size")),
+        embedding: ((config.vocab_size, hidden), ("vocab_size", "hidden_size")),
     }
     own_shapes = getattr(model_cls, "checkpoint_shapes", None)
     if own_shapes is not None:

@@ -38,6 +38,9 @@ _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
         "Lfm2ForCausalLM": ModelEntry("tinyvllm.models.lfm2", "Lfm2ForCausalLM", _HYBRID),
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
+        "NemotronHForCausalLM": ModelEntry(
+            "tinyvllm.models.nemotron_h", "NemotronHForCausalLM", _HYBRID
+        ),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
         "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3ForCausalLM"),
     }
