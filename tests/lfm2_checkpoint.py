@@ -31,9 +31,7 @@ TINY_LFM2: dict[str, Any] = {
 }
 
 
-def build_tiny_lfm2(
-    out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any
-) -> Path:
+def build_tiny_lfm2(out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Lfm2Config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
