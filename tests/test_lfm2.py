@@ -102,6 +102,8 @@ def test_prefix_caching_on_off_identical_and_hits(lfm2_dir: Path) -> None:
     assert after.prefix_hits - before.prefix_hits >= 6 * 48
     assert after.state_hits - before.state_hits == 6
     assert after.state_snapshots_cached > 0
+    blocks = on.get_stats(include_blocks=True).blocks
+    assert sum(b.state_snapshot for b in blocks) == after.state_snapshots_cached
     on.reset_prefix_cache()
     assert on.get_stats().state_snapshots_cached == 0
     assert _ids(on, prompts[:2]) == expected[:2]
@@ -218,3 +220,11 @@ def test_layer_types_checked_without_transformers() -> None:
 def test_speculative_decoding_refused(lfm2_dir: Path) -> None:
     with pytest.raises(ValueError, match="cannot roll back rejected draft tokens"):
         _llm(lfm2_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_gguf_lfm2_is_refused_clearly(tiny_models, tmp_path: Path) -> None:
+    from gguf_writer import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_models["llama"], tmp_path / "lfm2.gguf", architecture="lfm2")
+    with pytest.raises(ValueError, match=r"'lfm2' .* not supported yet from GGUF files"):
+        LLM(str(path))
