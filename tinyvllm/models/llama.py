@@ -263,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.max_model_len = max_model_len
         self.quant_config = quant_config
-        self.model = LlamaModel(config, max_model_len, self.options, quant_config)
+        self.model = self._build_model(config, max_model_len, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         head_quant = None if quant_config is None else quant_config.output_config()
         self.lm_head = ReplicatedLinear(
@@ -274,6 +274,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             if self.model.embed_tokens.qweight is not None:
                 self.lm_head.qweight = self.model.embed_tokens.qweight
+
+    def _build_model(
+        self, config: PretrainedConfig, max_model_len: int, quant_config: QuantConfig | None
+    ) -> nn.Module:
+        """The decoder stack (a model file reusing this class's head and loading builds its
+        own); it must expose `embed_tokens`."""
+        return LlamaModel(config, max_model_len, self.options, quant_config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
