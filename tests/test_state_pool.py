@@ -92,6 +92,26 @@ def test_identical_prompt_restores_last_snapshot_and_hits_count() -> None:
     assert s.kv.counters.hits == 20
 
 
+def test_chunk_stops_where_a_cached_prefix_ends_so_later_requests_hit_it() -> None:
+    """The shared prefix (12 tokens) ends mid-prompt for everyone, so no prompt's own
+    boundaries snapshot it; the second request stops its first chunk where the KV cache's
+    copy of its prefix ends, and the third resumes from that snapshot."""
+    s = hybrid_scheduler()
+    system = list(range(10, 22))
+    s.add_request(req("a", system + [50] * 7))
+    while s.has_unfinished_requests():
+        step(s)
+    s.add_request(req("b", system + [60] * 7))
+    out = step(s)
+    assert out.num_scheduled_tokens["b"] == 12 and "b" in out.state_snapshots
+    while s.has_unfinished_requests():
+        step(s)
+    s.add_request(req("c", system + [70] * 7))
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 12
+    assert out.scheduled_new_reqs[0].restore_state_slot is not None
+
+
 def test_kv_hits_without_a_snapshot_do_not_count() -> None:
     s = hybrid_scheduler()
     s.add_request(req("a", list(range(10, 30))))  # snapshots at 16 (tail split) and 20

@@ -218,6 +218,17 @@ class KVCacheManager:
             return False
         return self.states.has_snapshot(self.block_hashes(request, num_tokens)[-1])
 
+    def cached_prefix_end(self, request: Request, start: int) -> int:
+        """Where the request's KV chain stops being cached, walking from token `start` (a block
+        multiple) up to its last full block before its last token. Hybrid prefills stop a
+        chunk there: that is where another request's prefix ended, so a later request with
+        the same prefix may resume from a state snapshot taken there."""
+        hashes = self.block_hashes(request, request.num_tokens - 1)
+        i = start // self.block_size
+        while i < len(hashes) and self.pool.lookup(hashes[i]) is not None:
+            i += 1
+        return max(i * self.block_size, start)
+
     def end_step(self) -> None:
         """The step scheduled last has run: release what only it needed (restore pins)."""
         self._restores.clear()
