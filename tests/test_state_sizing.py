@@ -43,8 +43,8 @@ def test_state_bytes_are_counted_in_the_kv_budget() -> None:
     )  # fmt: skip
     assert plain.num_blocks == 40 and plain.num_running_states == 0
     size = _size(budget, caching=True)
-    assert (size.num_running_states, size.num_snapshot_states) == (4, 4)
-    assert size.num_blocks == (budget - 8 * SLOT_BYTES) // per_block
+    assert (size.num_running_states, size.num_snapshot_states) == (4, 8)
+    assert size.num_blocks == (budget - 12 * SLOT_BYTES) // per_block
     off = _size(budget, caching=False)
     assert off.num_snapshot_states == 0
     assert off.num_blocks == (budget - 4 * SLOT_BYTES) // per_block
@@ -54,7 +54,7 @@ def test_snapshots_take_at_most_half_the_budget_and_running_slots_must_fit() -> 
     plan = StateSlots.plan(MIXERS, 4, True, budget_bytes=6 * SLOT_BYTES)
     assert (plan.num_running, plan.num_snapshots) == (4, 0)
     plan = StateSlots.plan(MIXERS, 2, True, budget_bytes=10 * SLOT_BYTES)
-    assert (plan.num_running, plan.num_snapshots) == (2, 2)
+    assert (plan.num_running, plan.num_snapshots) == (2, 3)  # half of 10, minus 2 running
     with pytest.raises(ValueError, match="max_num_seqs=4 requests needs 1792 bytes"):
         StateSlots.plan(MIXERS, 4, True, budget_bytes=3 * SLOT_BYTES)
 
