@@ -42,6 +42,7 @@ SHIPPED_NAMES = {
     "Qwen2.5-1.5B-Instruct",
     "Llama-3.2-1B-Instruct",
     "Llama-3.2-3B-Instruct",
+    "LFM2-350M",
 }
 
 
