@@ -16,7 +16,9 @@ from transformers import AutoConfig
 from tinyvllm.models.loader import iter_safetensors_weights, load_model, resolve_model_path
 from tinyvllm.models.registry import get_model_class, resolve_architecture, supported_architectures
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = (
+    "Lfm2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+)
 
 
 @pytest.fixture
