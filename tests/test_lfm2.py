@@ -228,3 +228,33 @@ def test_gguf_lfm2_is_refused_clearly(tiny_models, tmp_path: Path) -> None:
     path = write_tiny_gguf(tiny_models["llama"], tmp_path / "lfm2.gguf", architecture="lfm2")
     with pytest.raises(ValueError, match=r"'lfm2' .* not supported yet from GGUF files"):
         LLM(str(path))
+
+
+def test_random_add_abort_preempt_leaks_no_state_slot(lfm2_dir: Path) -> None:
+    """Engine-level churn on a tight KV budget: aborts mid-prefill and mid-decode,
+    preemptions, shared prefixes; every state slot and snapshot pin comes back."""
+    llm = _llm(lfm2_dir, num_gpu_blocks_override=10, max_model_len=96, max_num_batched_tokens=24)
+    engine = llm.engine
+    rng = random.Random(7)
+    system = _prompts(8, [20])[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    live: list[str] = []
+    for i in range(40):
+        op = rng.random()
+        if op < 0.45:
+            prompt = system[: rng.randint(0, 20)] + _prompts(100 + i, [rng.randint(10, 40)])[0]
+            live.append(engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params))
+        elif op < 0.5 and live:
+            engine.abort_request([live.pop(rng.randrange(len(live)))])
+        else:
+            engine.step()
+        kv = engine.kv_cache_manager
+        kv.states.check_invariants(set(kv._blocks))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # an empty step releases the last step's restore pins
+    stats = llm.get_stats()
+    assert stats.state_running_slots_used == 0 and stats.num_used_blocks == 0
+    assert stats.total_preemptions > 0
+    snapshots = engine.kv_cache_manager.states.snapshots
+    assert snapshots is not None and sum(snapshots.ref_counts) == 0
