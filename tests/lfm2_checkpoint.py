@@ -3,12 +3,11 @@ HF transformers so that parity tests compare against HF on the same weights."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from fixtures import _randomize
+from fixtures import _randomize, save_with_tokenizer
 
 # Attention at layers 2 and 4 (not first or last), conv everywhere else; the feed-forward
 # width goes through HF's auto adjustment (200 -> 133 -> rounded up to 160).
@@ -31,9 +30,7 @@ TINY_LFM2: dict[str, Any] = {
 }
 
 
-def build_tiny_lfm2(
-    out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any
-) -> Path:
+def build_tiny_lfm2(out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Lfm2Config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -48,9 +45,4 @@ def build_tiny_lfm2(
     config = Lfm2Config(**kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, std=0.3)
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    for path in Path(tokenizer_dir).iterdir():
-        if path.is_file():
-            shutil.copy(path, out_dir / path.name)
-    return out_dir
+    return save_with_tokenizer(model, out_dir, tokenizer_dir)

@@ -43,6 +43,7 @@ SHIPPED_NAMES = {
     "Llama-3.2-1B-Instruct",
     "Llama-3.2-3B-Instruct",
     "granite-4.0-h-350m",
+    "LFM2-350M",
 }
 
 

@@ -65,7 +65,7 @@ def test_chunks_end_on_block_boundaries_and_prompt_tail_is_split() -> None:
         sizes.append(out.num_scheduled_tokens["a"])
         snaps.append("a" in out.state_snapshots)
     # Budget 10 -> chunks of 8 (boundaries 8, 16); the last full block before the final
-    # token is 20, so 4 more, then the tail of 3.
+    # token is 20, so 4 more, then the tail of 3 (a snapshot at the very end never hits).
     assert sizes == [8, 8, 4, 3]
     assert snaps == [True, True, True, False]
     assert s.kv.states.stats().num_cached_snapshots == 3
@@ -90,6 +90,45 @@ def test_identical_prompt_restores_last_snapshot_and_hits_count() -> None:
     s.update_from_output(out, fake_run(out, s))
     assert s.kv.states.stats().num_restores == 1
     assert s.kv.counters.hits == 20
+
+
+def test_chunk_stops_where_a_cached_prefix_ends_so_later_requests_hit_it() -> None:
+    """The shared prefix (12 tokens) ends mid-prompt for everyone, so no prompt's own
+    boundaries snapshot it; the second request stops its first chunk where the KV cache's
+    copy of its prefix ends, and the third resumes from that snapshot."""
+    s = hybrid_scheduler()
+    system = list(range(10, 22))
+    s.add_request(req("a", system + [50] * 7))
+    while s.has_unfinished_requests():
+        step(s)
+    s.add_request(req("b", system + [60] * 7))
+    out = step(s)
+    assert out.num_scheduled_tokens["b"] == 12 and "b" in out.state_snapshots
+    while s.has_unfinished_requests():
+        step(s)
+    s.add_request(req("c", system + [70] * 7))
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 12
+    assert out.scheduled_new_reqs[0].restore_state_slot is not None
+
+
+def test_a_shared_prefix_recomputed_for_its_snapshot_is_not_evicted_meanwhile() -> None:
+    """The cached KV of a shared prefix that a request must recompute (no snapshot there yet)
+    is kept recent, so allocations evict other free blocks and the requests waiting for the
+    new snapshot still find the whole prefix."""
+    s = hybrid_scheduler(num_blocks=10)  # a and c fill every block, a's first
+    system = list(range(10, 22))
+    for rid, prompt in (("a", system + [50] * 8), ("c", list(range(100, 120)))):
+        s.add_request(req(rid, prompt, max_tokens=1))
+        while s.has_unfinished_requests():
+            step(s)
+    s.add_request(req("w8", system + [60] * 8, max_tokens=1))
+    s.add_request(req("w9", system + [70] * 8, max_tokens=1))
+    out = step(s)
+    assert list(out.num_scheduled_tokens) == ["w8"]  # w9 waits for w8's snapshot at 12
+    out = step(s)
+    new = {n.req_id: n for n in out.scheduled_new_reqs}
+    assert new["w9"].num_computed_tokens == 12 and new["w9"].restore_state_slot is not None
 
 
 def test_kv_hits_without_a_snapshot_do_not_count() -> None:

@@ -134,6 +134,13 @@ class BlockPool:
                 self.num_cached_free -= 1
             self.ref_counts[block_id] += 1
 
+    def refresh(self, block_ids: Iterable[int]) -> None:
+        """Mark free cached blocks as just used (the back of the LRU queue) without taking
+        them: content a lookup found but could not use yet, kept from early eviction."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                self._free.move_to_end(block_id)
+
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Record that `block_id` (in use, KV fully written) holds the KV of `block_hash`.
 

@@ -119,8 +119,13 @@ class KVCacheManager:
         if self.states is not None:
             # The recurrent layers resume only from a snapshot: a hit ends at the last hit
             # block that has one (none before the first full block).
+            # The KV past the last snapshot is recomputed, but stays cached (kept recent):
+            # that prefix is shared, and the chunk that recomputes it ends there with a
+            # snapshot (Scheduler._align_chunk), so later requests hit all of it.
+            kv_hits = list(hits)
             while hits and not self.states.has_snapshot(hashes[len(hits) - 1]):
                 hits.pop()
+            self.pool.refresh(kv_hits[len(hits) :])
         return hits, len(hits) * self.block_size
 
     @property
@@ -200,12 +205,15 @@ class KVCacheManager:
     def plan_snapshot(self, request: Request, num_tokens_after: int) -> int | None:
         """The snapshot slot to copy the request's state into after this step, which brings
         it to `num_tokens_after` computed tokens; None unless that ends a full block of its
-        prompt whose prefix has no snapshot yet (and a slot is free)."""
+        prompt, before its last token, whose prefix has no snapshot yet (and a slot is free).
+        A hit never covers a request's last token, so a snapshot there would only serve
+        longer prompts; the block before it (where the final chunk was split) serves those
+        too without filling the pool twice per request."""
         if not self.aligns_chunks or request.sampling_params.prompt_logprobs is not None:
             return None
         assert self.states is not None
         if num_tokens_after % self.block_size or not (
-            0 < num_tokens_after <= request.num_prompt_tokens
+            0 < num_tokens_after < request.num_prompt_tokens
         ):
             return None
         block_hash = self.block_hashes(request, num_tokens_after)[-1]
@@ -217,6 +225,17 @@ class KVCacheManager:
         if self.states is None or num_tokens < self.block_size:
             return False
         return self.states.has_snapshot(self.block_hashes(request, num_tokens)[-1])
+
+    def cached_prefix_end(self, request: Request, start: int) -> int:
+        """Where the request's KV chain stops being cached, walking from token `start` (a block
+        multiple) up to its last full block before its last token. Hybrid prefills stop a
+        chunk there: that is where another request's prefix ended, so a later request with
+        the same prefix may resume from a state snapshot taken there."""
+        hashes = self.block_hashes(request, request.num_tokens - 1)
+        i = start // self.block_size
+        while i < len(hashes) and self.pool.lookup(hashes[i]) is not None:
+            i += 1
+        return max(i * self.block_size, start)
 
     def end_step(self) -> None:
         """The step scheduled last has run: release what only it needed (restore pins)."""

@@ -241,13 +241,18 @@ class Scheduler:
 
     def _align_chunk(self, request: Request, num_new: int) -> int:
         """Hybrid models caching state: end a prefill chunk on a block boundary, where its
-        state can be snapshotted. A chunk cut by the budget ends at the last boundary it
-        reaches; a prompt's final chunk stops at the last boundary before its last token
-        (the next step computes the rest), unless that prefix has a snapshot already."""
+        state can be snapshotted. A chunk stops where the KV cache's copy of its prefix ends
+        (another request's prompt diverged there: a shared prefix, worth a snapshot); a chunk
+        cut by the budget ends at the last boundary it reaches; a prompt's final chunk stops
+        at the last boundary before its last token (the next step computes the rest). A
+        boundary whose prefix has a snapshot already is no reason to stop."""
         if not self.kv.aligns_chunks or request.num_computed_tokens >= request.num_prompt_tokens:
             return num_new
         start = request.num_computed_tokens
         block_size = self.kv.block_size
+        shared_end = self.kv.cached_prefix_end(request, start - start % block_size)
+        if start < shared_end < start + num_new and not self.kv.has_snapshot(request, shared_end):
+            return shared_end - start
         if start + num_new < request.num_tokens:
             aligned = (start + num_new) // block_size * block_size
         else:

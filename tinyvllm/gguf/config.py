@@ -31,10 +31,13 @@ GGUF_ARCHITECTURES: Mapping[str, tuple[str, str]] = MappingProxyType(
     }
 )
 
-# GGUF architectures of models tinyvllm runs from their safetensors checkpoint only: the
-# metadata -> config mapping (SSM keys, per-layer head counts) is not written yet.
-GGUF_SAFETENSORS_ONLY: Mapping[str, str] = MappingProxyType(
-    {"granitehybrid": "GraniteMoeHybridForCausalLM"}
+# GGUF architectures of models tinyvllm runs from safetensors but not (yet) from GGUF: their
+# recurrent-layer tensors have no mapping here.
+GGUF_NOT_YET: Mapping[str, str] = MappingProxyType(
+    {
+        "lfm2": "LiquidAI/LFM2-350M",
+        "granitehybrid": "ibm-granite/granite-4.0-h-350m",
+    }
 )
 
 # general.file_type -> the dtype "auto" picks (fp16 becomes bf16 on CPU later); any
@@ -108,11 +111,11 @@ def _float(gf: GGUFFile, key: str, default: float) -> float:
 def check_architecture(gf: GGUFFile) -> tuple[str, str]:
     """(model_type, architecture) for the file; ValueError naming unsupported ones."""
     arch = gf.architecture
-    if arch in GGUF_SAFETENSORS_ONLY:
+    if arch in GGUF_NOT_YET:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported yet: tinyvllm runs "
-            f"{GGUF_SAFETENSORS_ONLY[arch]} from its safetensors checkpoint (give the hub id or "
-            "model directory instead of the .gguf file)"
+            f"GGUF architecture {arch!r} (a hybrid model with recurrent layers) is not supported "
+            f"yet from GGUF files; load its safetensors checkpoint instead (e.g. "
+            f"{GGUF_NOT_YET[arch]!r})"
         )
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(

@@ -9,7 +9,6 @@ in the checkpoint. Parameter names follow HF except the fused q/k/v and w1/w3.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -28,13 +27,11 @@ from tinyvllm.models.layers.linear import (
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.recurrent import RecurrentLayer, StateShape
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
-from tinyvllm.models.weights import load_named_weights
+from tinyvllm.models.llama import LlamaForCausalLM
 from tinyvllm.quant.config import QuantConfig
-from tinyvllm.quant.weight import finalize_quantized_weights
 
 if TYPE_CHECKING:
     from tinyvllm.attention.backend import AttentionMetadata
-    from tinyvllm.gguf.weight import GGUFWeight
 
 LAYER_TYPES = ("conv", "full_attention")
 
@@ -263,7 +260,9 @@ class Lfm2Model(nn.Module):
         return self.embedding_norm(hidden, residual)[0]
 
 
-class Lfm2ForCausalLM(nn.Module):
+class Lfm2ForCausalLM(LlamaForCausalLM):
+    """The Llama family's head, loading and weight checks around the LFM2 decoder stack."""
+
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         (".q_proj.", ".qkv_proj.", "q"),
         (".k_proj.", ".qkv_proj.", "k"),
@@ -272,35 +271,20 @@ class Lfm2ForCausalLM(nn.Module):
         (".w3.", ".gate_up_proj.", 1),
     )
 
-    def __init__(
-        self, config: Any, max_model_len: int, quant_config: QuantConfig | None = None
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Lfm2Model(config, max_model_len, quant_config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        head_quant = None if quant_config is None else quant_config.output_config()
-        self.lm_head = ReplicatedLinear(
-            config.hidden_size, config.vocab_size, bias=False, quant_config=head_quant
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            if self.model.embed_tokens.qweight is not None:
-                self.lm_head.qweight = self.model.embed_tokens.qweight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def _build_model(
+        self, config: Any, max_model_len: int, quant_config: QuantConfig | None
+    ) -> nn.Module:
+        return Lfm2Model(config, max_model_len, quant_config)
 
     def attention_layers(self) -> list[Attention]:
         return [m.self_attn.attn for m in self.model.layers if m.self_attn is not None]
 
     def recurrent_layers(self) -> list[RecurrentLayer]:
         return [m.conv for m in self.model.layers if m.conv is not None]
+
+    def native_decode_plan(self) -> None:
+        """The native decode program runs Llama layers only."""
+        return None
 
     @staticmethod
     def checkpoint_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -319,15 +303,3 @@ class Lfm2ForCausalLM(nn.Module):
                 (hidden, 1, config.conv_L_cache), ("hidden_size", "conv_L_cache")
             )  # fmt: skip
         return shapes
-
-    def _ignored_checkpoint_tensor(self, name: str) -> bool:
-        return self.tie_word_embeddings and name == "lm_head.weight"
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]]) -> None:
-        load_named_weights(
-            self,
-            weights,  # type: ignore[arg-type]
-            stacked_params=self.stacked_params,
-            ignore=self._ignored_checkpoint_tensor,
-        )
-        finalize_quantized_weights(self)

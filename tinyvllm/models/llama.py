@@ -263,9 +263,16 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.max_model_len = max_model_len
         self.quant_config = quant_config
-        self.model = LlamaModel(config, max_model_len, self.options, quant_config)
+        self.model = self._build_model(config, max_model_len, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = output_head(self.model.embed_tokens, self.tie_word_embeddings, quant_config)
+
+    def _build_model(
+        self, config: PretrainedConfig, max_model_len: int, quant_config: QuantConfig | None
+    ) -> nn.Module:
+        """The decoder stack (a model file reusing this class's head and loading builds its
+        own); it must expose `embed_tokens`."""
+        return LlamaModel(config, max_model_len, self.options, quant_config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

@@ -62,12 +62,12 @@ class StateSlots:
         budget_bytes: int | None,
     ) -> StateSlots:
         """One running slot per request the scheduler may run, plus (when state snapshots are
-        cached) as many snapshot slots, fewer when the budget cannot spare half of itself.
-        Raises ValueError when the running slots alone do not fit."""
+        cached) twice as many snapshot slots, fewer when the budget cannot spare half of
+        itself. Raises ValueError when the running slots alone do not fit."""
         per_slot = sum(layer.state_bytes() for layer in layers)
         if per_slot == 0:
             return cls(0, 0, 0)
-        snapshots = max_num_seqs if cache_snapshots else 0
+        snapshots = 2 * max_num_seqs if cache_snapshots else 0
         if budget_bytes is not None:
             if max_num_seqs * per_slot > budget_bytes:
                 raise ValueError(
