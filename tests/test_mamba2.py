@@ -4,18 +4,15 @@ steps continuing a prefill."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 from granite_hybrid_fixtures import TINY_GRANITE
+from mamba2_helpers import run, step_metadata
 from transformers import GraniteMoeHybridConfig
 from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     GraniteMoeHybridMambaLayer,
 )
 
-from tinyvllm.attention.backend import AttentionMetadata
-from tinyvllm.attention.recurrent import RecurrentMetadata
 from tinyvllm.models.layers.mamba2 import Mamba2Config, Mamba2Mixer, mamba2_config_from_hf
 
 HIDDEN = 32
@@ -51,45 +48,6 @@ def make_pair(
 def bind_zero_state(mixer: Mamba2Mixer, slots: int) -> None:
     # Stale garbage, not zeros: a first chunk must never read its slot.
     mixer.states = [torch.randn(slots, *s.shape, dtype=s.dtype) for s in mixer.state_shapes()]
-
-
-def step_metadata(
-    bounds: Sequence[int], slots: Sequence[int], carried: Sequence[bool]
-) -> AttentionMetadata:
-    """The metadata the runner hands a packed step (only what a mixer reads is meaningful)."""
-    num = len(slots)
-    query_lens = [bounds[i + 1] - bounds[i] for i in range(num)]
-    return AttentionMetadata(
-        num_reqs=num,
-        num_actual_tokens=bounds[-1],
-        query_start_loc=torch.tensor(bounds, dtype=torch.int32),
-        seq_lens=torch.tensor(query_lens, dtype=torch.int32),
-        block_table=torch.zeros(num, 1, dtype=torch.int32),
-        slot_mapping=torch.full((bounds[-1],), -1, dtype=torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(query_lens),
-        query_start_loc_cpu=list(bounds),
-        seq_lens_cpu=query_lens,
-        block_size=16,
-        recurrent=RecurrentMetadata.build(
-            list(slots), list(carried), query_lens, torch.device("cpu")
-        ),
-    )
-
-
-def run(
-    mixer: Mamba2Mixer,
-    parts: Sequence[torch.Tensor],
-    slots: Sequence[int],
-    carried: Sequence[bool],
-) -> list[torch.Tensor]:
-    """One packed step over `parts` (one [L_i, hidden] tensor per sequence)."""
-    bounds = [0]
-    for part in parts:
-        bounds.append(bounds[-1] + part.shape[0])
-    with torch.no_grad():
-        out = mixer(torch.cat(list(parts)), step_metadata(bounds, slots, carried))
-    return [out[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
 
 
 def hf_out(hf: GraniteMoeHybridMambaLayer, x: torch.Tensor) -> torch.Tensor:

@@ -80,10 +80,20 @@ def test_step_matches_torch(groups: int, bias: bool, limit: tuple[float, float])
 def test_mixer_decode_matches_torch_path() -> None:
     """Prefill through the torch scan, then decode steps: the Triton mixer and the torch mixer
     give the same outputs and leave the same states."""
-    from test_mamba2 import hf_config, make_pair, run
+    from mamba2_helpers import run
 
-    _, torch_mixer = make_pair(hf_config())
-    _, triton_mixer = make_pair(hf_config())
+    from tinyvllm.models.layers.mamba2 import Mamba2Config, Mamba2Mixer
+
+    sizes = dict(n_groups=2, state_size=16, conv_kernel=4, chunk_size=8, rms_norm_eps=1e-5)
+    config = Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, **sizes)
+    torch_mixer, triton_mixer = Mamba2Mixer(config), Mamba2Mixer(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in torch_mixer.parameters():
+            param.copy_(torch.randn_like(param) * 0.3)
+    triton_mixer.load_state_dict(torch_mixer.state_dict())
+    shapes = torch_mixer.state_shapes()
+    torch_mixer.states = [torch.randn(4, *s.shape, dtype=s.dtype) for s in shapes]
     assert not triton_mixer.triton_decode  # built on the CPU: torch path by default
     triton_mixer.triton_decode = True
     triton_mixer.states = [t.clone() for t in torch_mixer.states]
