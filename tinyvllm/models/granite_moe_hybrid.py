@@ -11,7 +11,6 @@ Parameter names follow HF checkpoints except the fused q/k/v projection.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -19,20 +18,18 @@ from torch import nn
 
 from tinyvllm.attention.layer import Attention
 from tinyvllm.models.layers.activation import SiluAndMul
-from tinyvllm.models.layers.embedding import VocabEmbedding, output_head
+from tinyvllm.models.layers.embedding import VocabEmbedding
 from tinyvllm.models.layers.linear import QKVLinear, ReplicatedLinear
 from tinyvllm.models.layers.mamba2 import Mamba2Mixer, mamba2_config_from_hf
 from tinyvllm.models.layers.moe import StackedExperts, TopKRouter
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.recurrent import RecurrentLayer
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
-from tinyvllm.models.weights import load_named_weights
+from tinyvllm.models.llama import LlamaForCausalLM
 from tinyvllm.quant.config import QuantConfig
-from tinyvllm.quant.weight import finalize_quantized_weights
 
 if TYPE_CHECKING:
     from tinyvllm.attention.backend import AttentionMetadata
-    from tinyvllm.gguf.weight import GGUFWeight
 
 # HF's names for the two layer kinds (transformers >= 5 renames the checkpoints' legacy
 # "mamba" / "attention" on load; both spellings are accepted).
@@ -206,10 +203,10 @@ class GraniteMoeHybridModel(nn.Module):
         return self.norm(residual)
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
-    """`forward` returns final hidden states; `compute_logits` projects and divides by
-    `logits_scaling`. Mixer layers keep per-request state (`recurrent_layers`), attention
-    layers paged KV (`attention_layers`)."""
+class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
+    """The Llama family's head, loading and weight checks around the Granite hybrid stack;
+    logits are divided by `logits_scaling`. Mixer layers keep per-request state
+    (`recurrent_layers`), attention layers paged KV (`attention_layers`)."""
 
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         (".q_proj.", ".qkv_proj.", "q"),
@@ -218,23 +215,15 @@ class GraniteMoeHybridForCausalLM(nn.Module):
     )
 
     def __init__(
-        self,
-        config: Any,
-        max_model_len: int,
-        quant_config: QuantConfig | None = None,
+        self, config: Any, max_model_len: int, quant_config: QuantConfig | None = None
     ) -> None:
-        super().__init__()
-        self.config = config
-        self.max_model_len = max_model_len
-        self.model = GraniteMoeHybridModel(config, max_model_len, quant_config)
+        super().__init__(config, max_model_len, quant_config)
         self.logits_scaling = float(config.logits_scaling)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = output_head(self.model.embed_tokens, self.tie_word_embeddings, quant_config)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+    def _build_model(
+        self, config: Any, max_model_len: int, quant_config: QuantConfig | None
+    ) -> nn.Module:
+        return GraniteMoeHybridModel(config, max_model_len, quant_config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float() / self.logits_scaling
@@ -244,6 +233,10 @@ class GraniteMoeHybridForCausalLM(nn.Module):
 
     def recurrent_layers(self) -> list[RecurrentLayer]:
         return [layer.mamba for layer in self.model.layers if layer.mamba is not None]
+
+    def native_decode_plan(self) -> None:
+        """The native decode program runs Llama layers only."""
+        return None
 
     @classmethod
     def checkpoint_shapes(cls, config: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -281,15 +274,3 @@ class GraniteMoeHybridForCausalLM(nn.Module):
                 ("num_local_experts", "intermediate_size", "hidden_size"),
             )
         return shapes
-
-    def _ignored_checkpoint_tensor(self, name: str) -> bool:
-        return self.tie_word_embeddings and name == "lm_head.weight"
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]]) -> None:
-        load_named_weights(
-            self,
-            weights,  # type: ignore[arg-type]
-            stacked_params=self.stacked_params,
-            ignore=self._ignored_checkpoint_tensor,
-        )
-        finalize_quantized_weights(self)
