@@ -258,3 +258,25 @@ def test_random_add_abort_preempt_leaks_no_state_slot(lfm2_dir: Path) -> None:
     assert stats.total_preemptions > 0
     snapshots = engine.kv_cache_manager.states.snapshots
     assert snapshots is not None and sum(snapshots.ref_counts) == 0
+
+
+def test_decode_steps_run_torch_single_threaded_beside_native_layer_ops(lfm2_dir: Path) -> None:
+    """Without a decode program, decode-sized steps still keep torch's OpenMP workers off the
+    cores the native layer kernels use (they cost milliseconds per op under load)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs one thread here anyway")
+    llm = _llm(lfm2_dir, enforce_eager=False)
+    runner = llm.engine.runner
+    if not runner.platform.native_layer_ops:
+        pytest.skip("the native kernels did not load here")
+    seen: list[tuple[int, int]] = []
+    inner = runner._execute_model
+
+    def record(sched):
+        seen.append((sched.total_num_scheduled_tokens, torch.get_num_threads()))
+        return inner(sched)
+
+    runner._execute_model = record
+    _ids(llm, [PROMPTS[3]], max_tokens=3)
+    assert seen[0][0] == 64 and seen[0][1] > 1  # the prompt's chunk: torch's threads
+    assert all(threads == 1 for n, threads in seen if n == 1)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.attention.layer import Attention
@@ -131,18 +130,30 @@ class ShortConv(RecurrentLayer):
             tokens = metadata.query_start_loc[recurrent.decode_indices]
             slots = recurrent.state_indices[recurrent.decode_indices]
             window = torch.cat([state[slots], bx[tokens].unsqueeze(-1)], dim=-1)  # [D, H, L]
-            y = (window * weight).sum(-1)
-            out[tokens] = y if bias is None else y + bias
+            out[tokens] = self._taps(window.transpose(1, 2), weight, bias)[:, -1]
             state[slots] = window[:, :, 1:]
         for i in recurrent.prefill_indices_cpu:
             start, end = qsl[i], qsl[i + 1]
             slot = recurrent.state_indices_cpu[i]
             init = state[slot] if recurrent.has_initial_state_cpu[i] else state[slot].zero_()
-            seq = torch.cat([init, bx[start:end].t()], dim=-1)  # [H, L - 1 + n]
-            y = F.conv1d(seq.unsqueeze(0), self.conv.weight, bias, groups=self.hidden_size)
-            out[start:end] = y[0].t()
-            state[slot] = seq[:, seq.shape[1] - (self.kernel - 1) :]
+            seq = torch.cat([init.t(), bx[start:end]])  # [L - 1 + n, H]
+            out[start:end] = self._taps(seq.unsqueeze(0), weight, bias)[0]
+            state[slot] = seq[seq.shape[0] - (self.kernel - 1) :].t()
         return self.out_proj(c * out)
+
+    def _taps(
+        self, seq: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The causal depthwise conv over `seq` [B, L - 1 + n, H] -> [B, n, H]: L shifted
+        multiply-adds in fp32, rounded once (a bf16 conv1d runs a slow generic kernel on CPUs
+        without bf16 units, and the kernel is only L taps long)."""
+        n = seq.shape[1] - (self.kernel - 1)
+        acc = seq[:, :n].float() * weight[:, 0].float()
+        for k in range(1, self.kernel):
+            acc += seq[:, k : k + n].float() * weight[:, k].float()
+        if bias is not None:
+            acc += bias.float()
+        return acc.to(seq.dtype)
 
 
 class Lfm2Attention(nn.Module):

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Steps of at most this many tokens run torch single-threaded when the layers' heavy work is
+# native (their GEMVs have their own thread pool), as the decode program's steps do.
+NATIVE_STEP_TOKENS = 16
+
 NON_FINITE_LOGITS = (
     "the model's logits were not finite (NaN or inf), likely from NaN/inf weights or a value "
     "that overflows the model's dtype; the output would be meaningless"
@@ -163,7 +167,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         program = self.decode_program
-        if program is not None and program.supports(sched.total_num_scheduled_tokens):
+        num_tokens = sched.total_num_scheduled_tokens
+        if program is not None:
+            native_step = program.supports(num_tokens)
+        else:  # models without a program (hybrids): decode-sized steps on native layer ops
+            native_step = self.platform.native_layer_ops and num_tokens <= NATIVE_STEP_TOKENS
+        if native_step:
             # The native kernels run this step on their own threads; torch's OpenMP workers,
             # woken by sampling, would spin for milliseconds on the same cores.
             with torch_intra_op_threads(1):
