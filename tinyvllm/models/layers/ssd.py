@@ -19,22 +19,29 @@ def causal_conv1d(
     """Depthwise causal conv of one sequence's `x` [L, C] continuing after `window` [C, K-1]
     (the previous K-1 inputs; zeros at a sequence's start). `weight` is [C, K].
 
-    Returns (out [L, C] before the activation, the new window [C, K-1])."""
-    width = weight.shape[1] - 1
-    full = torch.cat([window.to(x.dtype), x.t()], dim=1)  # [C, K-1+L]
-    out = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])
-    return out[0].t(), full[:, full.shape[1] - width :]
+    Returns (out [L, C] in float32, before the activation; the new window [C, K-1]). K shifted
+    multiply-adds in float32: a bf16 conv1d runs a slow generic kernel on CPUs without bf16
+    units, and K is only ~4."""
+    width, length = weight.shape[1] - 1, x.shape[0]
+    full = torch.cat([window.t().to(x.dtype), x])  # [K-1+L, C], oldest first
+    taps = weight.float()
+    out = full[:length].float() * taps[:, 0]
+    for k in range(1, width + 1):
+        out += full[k : k + length].float() * taps[:, k]
+    if bias is not None:
+        out += bias.float()
+    return out, full[full.shape[0] - width :].t()
 
 
 def causal_conv1d_step(
     x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new input per sequence: `x` [b, C], `windows` [b, C, K-1] -> (out [b, C], new
-    windows [b, C, K-1]); the batched form of `causal_conv1d` with L = 1."""
+    """One new input per sequence: `x` [b, C], `windows` [b, C, K-1] -> (out [b, C] in float32,
+    new windows [b, C, K-1]); the batched form of `causal_conv1d` with L = 1."""
     full = torch.cat([windows.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [b, C, K]
-    out = (full * weight).sum(-1)
+    out = (full.float() * weight.float()).sum(-1)
     if bias is not None:
-        out = out + bias
+        out = out + bias.float()
     return out, full[..., 1:]
 
 
