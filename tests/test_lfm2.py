@@ -280,3 +280,8 @@ def test_decode_steps_run_torch_single_threaded_beside_native_layer_ops(lfm2_dir
     _ids(llm, [PROMPTS[3]], max_tokens=3)
     assert seen[0][0] == 64 and seen[0][1] > 1  # the prompt's chunk: torch's threads
     assert all(threads == 1 for n, threads in seen if n == 1)
+
+
+def test_mamba_cache_mode_is_validated(lfm2_dir: Path) -> None:
+    with pytest.raises(ValueError, match="mamba_cache_mode must be one of align, none, got 'all'"):
+        _llm(lfm2_dir, mamba_cache_mode="all")
