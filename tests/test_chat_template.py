@@ -78,6 +78,9 @@ def test_continue_final_message(tokenizer: Any) -> None:
         ("{{ '%05d' % 7 }}{{ '{:>4}'.format('a') }}{{ 'call 12345678' | upper }}", None),
         ("{{ raise_exception('no tools here') }}", "no tools here"),
         ("{% for %}", "not valid Jinja"),
+        # Plain Python errors in template code are the template's failure too.
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{{ messages[0].content + 1 }}", "TypeError"),
     ],
 )
 def test_limits_give_a_clear_error(tokenizer: Any, template: str, needle: str | None) -> None:

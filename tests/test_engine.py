@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -327,6 +329,52 @@ def test_fp32_gemm_copies_serve_batched_rows() -> None:
     assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
 
 
+def test_fp32_gemm_copies_are_made_on_first_use_within_the_budget(tiny_models, monkeypatch) -> None:
+    """fp32_weight_copy_bytes caps the copies; a layer takes its copy at its first batched
+    GEMM, so layers that only see decode-sized inputs (a chat's lm_head) never do."""
+    import torch
+
+    import tinyvllm.platforms.cpu as cpu_platform
+    from tinyvllm.models.layers.linear import (
+        Fp32CopyBudget,
+        LinearBase,
+        ReplicatedLinear,
+        attach_fp32_gemm_weights,
+    )
+
+    layers = [ReplicatedLinear(32, 24, bias=False).to(torch.bfloat16) for _ in range(3)]
+    layer_bytes = 24 * 32 * 4
+    budget = Fp32CopyBudget(2 * layer_bytes + 10)
+    assert attach_fp32_gemm_weights(torch.nn.Sequential(*layers), 8, budget) == 3 * layer_bytes
+    assert all(m.gemm_weight is None for m in layers)  # nothing made yet
+    with torch.no_grad():
+        for m in layers:
+            m(torch.randn(2, 32).bfloat16())  # decode-sized: no copy
+        assert all(m.gemm_weight is None for m in layers)
+        for m in layers:
+            m(torch.randn(8, 32).bfloat16())
+    assert [m.gemm_weight is not None for m in layers] == [True, True, False]
+    assert budget.spent == 2 * layer_bytes
+
+    monkeypatch.setattr(cpu_platform, "has_native_bf16_matmul", lambda: False)
+    long_prompt = {"prompt_token_ids": list(range(1, 101))}  # past the native 64-row path
+
+    def copies(**kwargs: Any) -> tuple[int, bool]:
+        llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", max_model_len=160, **kwargs)
+        model = llm.engine.runner.model
+        llm.generate([long_prompt], greedy(max_tokens=2), use_tqdm=False)
+        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+        made = sum(m.gemm_weight.numel() * 4 for m in linears if m.gemm_weight is not None)
+        return made, model.lm_head.gemm_weight is not None
+
+    everything, lm_head = copies()
+    assert everything > 0 and not lm_head  # the lm_head saw one row per step
+    assert copies(fp32_weight_copy_bytes=0)[0] == 0
+    assert 0 < copies(fp32_weight_copy_bytes=everything // 2)[0] <= everything // 2
+    with pytest.raises(ValueError, match="fp32_weight_copy_bytes"):
+        LLM(str(tiny_models["llama"]), fp32_weight_copy_bytes=-1)
+
+
 def test_token_ids_only_engine_returns_logprobs(tiny_models) -> None:
     llm = LLM(
         str(tiny_models["llama"]), dtype="float32", max_model_len=128, skip_tokenizer_init=True
@@ -348,3 +396,24 @@ def test_decode_groups_and_unsorted_batches(llama_llm, monkeypatch) -> None:
     expected = token_ids(run(llama_llm, prompts, greedy()))
     monkeypatch.setattr(torch_attn, "_DECODE_GROUP_TOKENS", 64)
     assert token_ids(run(llama_llm, prompts, greedy())) == expected
+
+
+def test_generation_config_eos_ids_read_without_transformers(tmp_path: Path) -> None:
+    """EOS ids besides the tokenizer's come from generation_config.json, read as JSON (as
+    transformers' GenerationConfig reads them, without its second of imports)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from tinyvllm.engine.engine import _generation_config_eos
+
+    config = SimpleNamespace(model=SimpleNamespace(model_path=str(tmp_path)))
+    assert _generation_config_eos(config, 2) == set()  # no file (a GGUF checkpoint)
+    for ids in (7, [2, 7, 9], [], None):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+        reference = GenerationConfig.from_pretrained(tmp_path).eos_token_id
+        reference = [reference] if isinstance(reference, int) else reference or []
+        expected = set(reference)
+        assert _generation_config_eos(config, 2) == expected - {2}, ids
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert _generation_config_eos(config, 2) == set()

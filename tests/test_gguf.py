@@ -4,6 +4,7 @@ llama.cpp converts them (names, q/k permutation, quantization) and clear errors.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -294,6 +295,30 @@ def test_not_a_gguf_file_and_missing_files(tmp_path: Path) -> None:
         read_gguf(truncated)
 
 
+def _gguf_with_string_array(path: Path, items: list[bytes], declared_last: int) -> Path:
+    """A GGUF holding one long string array whose last string declares `declared_last` bytes."""
+    key = b"tokenizer.ggml.tokens"
+    body = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, len(items))
+    for item in items[:-1]:
+        body += struct.pack("<Q", len(item)) + item
+    body += struct.pack("<Q", declared_last) + items[-1]
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    return path
+
+
+def test_long_string_arrays_decode_lazily_and_are_bounds_checked_when_read(
+    tmp_path: Path,
+) -> None:
+    items = [f"tok{i}-\u00fc".encode() for i in range(500)]
+    good = _gguf_with_string_array(tmp_path / "good.gguf", items, len(items[-1]))
+    tokens = read_gguf(good).metadata["tokenizer.ggml.tokens"]
+    assert tokens == [item.decode() for item in items]
+    # The vocabulary is not decoded while parsing, but its bounds are still checked then.
+    bad = _gguf_with_string_array(tmp_path / "bad.gguf", items, 10**6)
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_gguf(bad)
+
+
 def test_hub_gguf_offline_names_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match=r"'m\.Q4_0\.gguf' of 'no-org/no-repo' is not in"):
@@ -332,3 +357,31 @@ def test_missing_tensor_is_named(tiny_models: Mapping[str, Path], tmp_path: Path
     )
     with pytest.raises(ValueError, match=r"missing 1 tensor\(s\).*layers.1.self_attn.k_norm"):
         load_model(path, load_gguf_config(path), torch.float32, "cpu", 64)
+
+
+def _rss_file_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile line")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux /proc")
+def test_release_drops_a_tensors_file_pages_and_keeps_its_views_valid(tmp_path: Path) -> None:
+    """Loading copies each tensor out of the mapped file; `release` then returns its pages, so
+    a load does not hold the file's pages and the model's copy at once (2x peak RSS)."""
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)
+    writer.add_tensor("token_embd.weight", values)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file):
+        step()
+    writer.write_tensors_to_file()
+    writer.close()
+    gf = read_gguf(path)
+    view = gf.raw("token_embd.weight").view(torch.float32)
+    assert float(view.sum()) == pytest.approx(float(values.sum()), rel=1e-4)  # pages touched
+    touched = _rss_file_kib()
+    gf.release("token_embd.weight")
+    assert touched - _rss_file_kib() > 6 * 1024  # of the 8 MiB tensor
+    assert np.array_equal(view.numpy().reshape(values.shape), values)  # read back from the file

@@ -222,6 +222,12 @@ def test_speculative_decoding_refused(lfm2_dir: Path) -> None:
         _llm(lfm2_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
+def test_pooling_runner_refused(lfm2_dir: Path) -> None:
+    # The pooling runner keeps no recurrent state: a hybrid generates only.
+    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM cannot run as a pooling model"):
+        _llm(lfm2_dir, runner="pooling")
+
+
 def test_gguf_lfm2_is_refused_clearly(tiny_models, tmp_path: Path) -> None:
     from gguf_writer import write_tiny_gguf
 

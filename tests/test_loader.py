@@ -17,8 +17,9 @@ from tinyvllm.models.loader import iter_safetensors_weights, load_model, resolve
 from tinyvllm.models.registry import get_model_class, resolve_architecture, supported_architectures
 
 SUPPORTED = (
-    "GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
-    "NemotronHForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    "BertModel, GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, LlamaForCausalLM, "
+    "MistralForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM, "
+    "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM"
 )
 
 

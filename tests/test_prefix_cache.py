@@ -40,6 +40,27 @@ def test_hash_covers_tokens_parent_and_extra_keys() -> None:
     assert hash_block(ROOT_HASH, [2**40]) != hash_block(ROOT_HASH, [0])
 
 
+def test_block_hashes_key_on_media_content() -> None:
+    """Placeholder tokens are the same for any picture of one size: blocks overlapping an
+    item hash its content (and where in the item they are); blocks before it do not."""
+    from tinyvllm.request import MultiModalFeature
+
+    kv = KVCacheManager(16, BS)
+    tokens = [1, 2, 3, 4] + [9] * 8 + [5, 6]
+
+    def hashes(identifier: str, offset: int = 4) -> list[bytes]:
+        r = req("r", tokens)
+        r.mm_features = [MultiModalFeature("image", identifier, offset, 8)]
+        return kv.block_hashes(r, len(tokens))
+
+    same, other = hashes("cat"), hashes("dog")
+    assert same == hashes("cat")
+    assert same[0] == other[0] and same[1] != other[1] and same[2] != other[2]
+    assert same[0] == kv.block_hashes(req("t", tokens), len(tokens))[0]
+    # The same item shifted by one token is other KV too.
+    assert hashes("cat", offset=5)[1] != same[1]
+
+
 def test_cached_free_blocks_are_reused_then_evicted_in_lru_order() -> None:
     pool = BlockPool(4)
     blocks = pool.allocate(3)

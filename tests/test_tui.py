@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from textual.command import CommandList, CommandPalette
@@ -212,5 +213,31 @@ def test_follows_the_end_only_while_the_user_is_there() -> None:
             await wait_until(pilot, lambda: len(last_answer(app).text) > seen + 20, "more text")
             await pilot.pause()
             assert conversation.scroll_y == conversation.max_scroll_y
+
+    run(main())
+
+
+def test_image_command_attaches_a_file_to_the_next_message(tmp_path: Path) -> None:
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(b"not decoded by the scripted session")
+    backend = ScriptedBackend()
+
+    async def main() -> None:
+        app = TinyVLLMApp(backend=backend)
+        async with app.run_test(size=SIZE) as pilot:
+            await load_via_model_screen(pilot, "SmolLM2-135M-Instruct")
+            await send(pilot, "/image /no/such/file.png")
+            status = app.chat.query_one("#chat-status", Static)
+            await wait_until(pilot, lambda: "needs an existing file" in str(status.content), "err")
+            await send(pilot, f"/image {picture}")
+            await wait_until(pilot, lambda: "attached" in str(status.content), "attach notice")
+            await send(pilot, "what is it")
+            session = app.chat.session
+            await wait_until(pilot, lambda: len(session.messages) == 2, "the answer")
+            assert session.messages[0]["content"] == [
+                {"type": "image_url", "image_url": {"url": str(picture)}},
+                {"type": "text", "text": "what is it"},
+            ]
+            assert app.chat.attached == []
 
     run(main())

@@ -34,6 +34,12 @@ def run(coro: object) -> None:
     asyncio.run(asyncio.wait_for(coro, 300))  # type: ignore[arg-type]
 
 
+def test_models_screen_lists_only_chat_models() -> None:
+    # The catalog's embedding model cannot chat, so the chat app does not offer it.
+    names = [row.name for row in EngineBackend({}).catalog()]
+    assert "SmolLM2-135M-Instruct" in names and "all-MiniLM-L6-v2" not in names
+
+
 def test_tiny_engine_chat_and_stats(tiny_models: dict[str, Path]) -> None:
     async def main() -> None:
         app = TinyVLLMApp(backend=EngineBackend({"max_model_len": 256}))

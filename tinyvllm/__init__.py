@@ -11,9 +11,18 @@ from tinyvllm.utils.omp import prefer_passive_omp_waits
 # native kernels' thread pool needs (see utils/omp.py).
 prefer_passive_omp_waits()
 
-from tinyvllm.config import EngineArgs  # noqa: E402
+from tinyvllm.config import EngineArgs, PoolerConfig  # noqa: E402
 from tinyvllm.llm import LLM  # noqa: E402
-from tinyvllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from tinyvllm.outputs import (  # noqa: E402
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from tinyvllm.pooling_params import PoolingParams  # noqa: E402
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __all__ = [
@@ -21,11 +30,17 @@ __all__ = [
     "AsyncLLM",
     "BlockInfo",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineDeadError",
     "EngineStats",
     "LatencySummary",
     "Logprob",
+    "PoolerConfig",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestError",
     "RequestOutput",
     "RequestOutputKind",

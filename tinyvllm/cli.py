@@ -1,5 +1,5 @@
-"""Command line: `tinyvllm generate | check | chat | models | tui` (bench and serve come with
-later faces)."""
+"""Command line: `tinyvllm generate | check | chat | serve | models | tui` (bench comes with a
+later face)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ def _add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
         help="auto (keep a GGUF file's quantized blocks) | none (dequantize) | int8 | int4 | gguf;"
         " default: auto, except check: none",
     )
+    p.add_argument(
+        "--video-pruning-rate",
+        type=float,
+        default=None,
+        help="EVS for video VLMs: share of video tokens to drop, in [0, 1) (default: off)",
+    )
+    p.add_argument(
+        "--fp32-weight-copy-bytes",
+        type=int,
+        default=None,
+        help="CPUs without bf16 matmul: bytes of fp32 GEMM weight copies of a bf16 model "
+        "(default: all layers; 0: none)",
+    )
     if draft:
         p.add_argument(
             "--draft",
@@ -58,9 +71,28 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.dtype is not None:
         kwargs["dtype"] = args.dtype
+    if args.fp32_weight_copy_bytes is not None:
+        kwargs["fp32_weight_copy_bytes"] = args.fp32_weight_copy_bytes
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization
+    if args.video_pruning_rate is not None:
+        kwargs["video_pruning_rate"] = args.video_pruning_rate
     return kwargs
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
+    """The engine arguments' own checks (ranges, choices), run before the model is resolved
+    or loaded, so a bad flag fails at once rather than after a download or a load."""
+    from tinyvllm.config import EngineArgs
+
+    try:
+        EngineArgs.from_kwargs("<model>", **kwargs).validate()
+    except ValueError as exc:
+        # Name the flag the user typed, not only the engine argument behind it.
+        name = next((k for k in kwargs if str(exc).startswith(k)), None)
+        if name is None:
+            raise
+        raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
 
 
 def resolve_cli_model(
@@ -126,8 +158,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(model, **kwargs)
     start = time.perf_counter()
+    media = {k: v for k, v in (("image", args.image), ("video", args.video)) if v}
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        parts = _media_parts(media)
+        conversations = [
+            [{"role": "user", "content": [*parts, {"type": "text", "text": p}] if parts else p}]
+            for p in prompts
+        ]
+        outputs = llm.chat(conversations, params)
+    elif media:
+        outputs = llm.generate([_media_prompt(p, media) for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -142,6 +182,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
             n += len(comp.token_ids)
     print(f"[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _media_parts(media: dict[str, list[str]]) -> list[dict[str, Any]]:
+    return [
+        {"type": f"{kind}_url", f"{kind}_url": {"url": path}}
+        for kind, paths in media.items()
+        for path in paths
+    ]
+
+
+def _media_prompt(prompt: str, media: dict[str, list[str]]) -> dict[str, Any]:
+    """A plain prompt with --image / --video files: their placeholders go first unless the
+    prompt already places them."""
+    from tinyvllm.utils.content_parts import PLACEHOLDERS
+
+    head = "".join(
+        PLACEHOLDERS[kind] * len(paths)
+        for kind, paths in media.items()
+        if PLACEHOLDERS[kind] not in prompt
+    )
+    return {"prompt": head + prompt, "multi_modal_data": media}
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -212,6 +273,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 130
 
 
+def serve_setup(args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
+    """`tinyvllm serve`'s (model path, engine kwargs, label), every flag checked before a
+    model is resolved or loaded."""
+    from tinyvllm.server.cli import (
+        check_installed,
+        model_spec,
+        read_chat_template,
+        serve_engine_kwargs,
+    )
+
+    check_installed()
+    read_chat_template(args.chat_template)
+    engine_kwargs = {**_engine_kwargs(args), **serve_engine_kwargs(args)}
+    check_engine_kwargs(engine_kwargs)
+    return resolve_cli_model(model_spec(args), engine_kwargs, args.revision, args.gguf_file)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tinyvllm.server.cli import run_server
+
+    return run_server(args, *serve_setup(args))
+
+
 def add_tui_arguments(parser: argparse.ArgumentParser) -> None:
     """`tinyvllm tui`'s arguments, also those of `python -m tinyvllm_tui` (the TUI imports
     them from here: it sits above tinyvllm, never the other way round)."""
@@ -251,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument(
+        "--image", action="append", default=[], help="image file for every prompt (repeatable)"
+    )
+    gen.add_argument(
+        "--video", action="append", default=[], help="video file for every prompt (repeatable)"
+    )
     gen.set_defaults(func=cmd_generate)
 
     chk = sub.add_parser(
@@ -265,6 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
     tui = sub.add_parser("tui", help="terminal UI: pick a model, chat, watch the engine")
     add_tui_arguments(tui)
     tui.set_defaults(func=cmd_tui)
+
+    from tinyvllm.server.cli import add_serve_arguments
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (needs the serve extra)",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /metrics, ...) on 127.0.0.1 unless --host says.",
+    )
+    _add_engine_args(serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the model catalog and what is on disk")
     models.add_argument("search", nargs="?", default="", help="only entries matching this text")

@@ -9,6 +9,45 @@ from tinyvllm.quant.config import QuantConfig, parse_quantization
 
 # Supported values of mamba_cache_mode (vLLM also has "all": snapshots at every block).
 MAMBA_CACHE_MODES = ("align", "none")
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("MEAN", "CLS", "LAST")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one vector (vLLM's names).
+
+    None fields take the checkpoint's sentence-transformers config (1_Pooling/config.json and
+    a Normalize module in modules.json), else the model kind's default: CLS for encoders,
+    LAST for decoders, normalized.
+    """
+
+    pooling_type: str | None = None  # "MEAN" | "CLS" | "LAST"
+    normalize: bool | None = None
+
+    @classmethod
+    def from_value(cls, value: PoolerConfig | dict[str, Any] | None) -> PoolerConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"pooling_type", "normalize"})
+            if unknown:
+                raise ValueError(
+                    f"pooler_config has unknown key(s) {unknown}; it takes pooling_type and "
+                    "normalize"
+                )
+            value = cls(**value)
+        if not isinstance(value, cls):
+            raise TypeError(f"pooler_config must be a PoolerConfig or a dict, got {value!r}")
+        if value.pooling_type is not None:
+            kind = str(value.pooling_type).upper()
+            if kind not in POOLING_TYPES:
+                raise ValueError(
+                    f"pooler_config pooling_type={value.pooling_type!r} is not supported; "
+                    f"choose one of {', '.join(POOLING_TYPES)}"
+                )
+            value = PoolerConfig(kind, value.normalize)
+        return value
 
 
 @dataclass
@@ -29,6 +68,12 @@ class ModelConfig:
     # The user's `quantization=` (validated): a draft model resolves it against its own
     # checkpoint, as the target's was.
     requested_quantization: str | None = None
+    # EVS: the share of video tokens dropped after the vision encoder (0 = off).
+    video_pruning_rate: float = 0.0
+    # "generate" (the LLM path) or "pooling" (embeddings: no KV cache, no sampling), and for
+    # pooling how prompts are pooled (resolved: every field set).
+    runner_type: str = "generate"
+    pooler_config: PoolerConfig | None = None
 
 
 @dataclass
@@ -65,6 +110,8 @@ class DeviceConfig:
     # The plain PyTorch path: no CUDA graphs on GPU, no native library at all on CPU (see
     # tinyvllm/platforms/).
     enforce_eager: bool = False
+    # Bytes the CPU platform may spend on fp32 copies of bf16 GEMM weights (None: no limit).
+    fp32_weight_copy_bytes: int | None = None
 
 
 @dataclass
@@ -109,8 +156,20 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    # CPUs without bf16 matmul (AVX2) run batched bf16 GEMMs on fp32 copies of the weights
+    # (2x the bf16 bytes), made at a layer's first batched GEMM: at most this many bytes of
+    # them (None: no limit; 0: none, batched GEMMs then run in bf16, slower, no extra memory).
+    fp32_weight_copy_bytes: int | None = None
     # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | None = None
+    # EVS (Efficient Video Sampling) for video VLMs: drop this share of the video tokens that
+    # change least from the previous frame, after the vision encoder; None or 0 = off.
+    video_pruning_rate: float | None = None
+    # "auto": pooling for encoder-only checkpoints (BertModel) and sentence-transformers
+    # directories (modules.json), else generate.
+    runner: str = "auto"
+    # Overrides the checkpoint's pooling (pooling models only): PoolerConfig or a dict.
+    pooler_config: PoolerConfig | dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -137,6 +196,11 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
             )
+        if self.fp32_weight_copy_bytes is not None and self.fp32_weight_copy_bytes < 0:
+            raise ValueError(
+                "fp32_weight_copy_bytes must be 0 (no fp32 weight copies) or more, got "
+                f"{self.fp32_weight_copy_bytes}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -147,9 +211,20 @@ class EngineArgs:
                 f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
                 f"{self.mamba_cache_mode!r} (vLLM's 'all' mode is not supported)"
             )
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        PoolerConfig.from_value(self.pooler_config)
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        rate = self.video_pruning_rate
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0
+        ):
+            raise ValueError(
+                f"video_pruning_rate must be a number in [0, 1) (the share of video tokens "
+                f"EVS drops; 0 = off), got {rate!r}"
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -5,14 +5,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tinyvllm.config import EngineArgs
-from tinyvllm.engine.engine import Engine, PromptType, check_text
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.engine.engine import PromptType, check_text
+from tinyvllm.engine.factory import create_engine
+from tinyvllm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.stats import EngineStats
 from tinyvllm.utils.chat_template import render_chat_template
+from tinyvllm.utils.content_parts import split_content_parts
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +38,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
-        self.engine = Engine.from_engine_args(self.engine_args)
+        self.engine = create_engine(self.engine_args)
         self._request_counter = 0
 
     def get_tokenizer(self) -> Any:
@@ -42,11 +51,13 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts; outputs come back in the prompts' order."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt (text, dict, or a flat list of token ids)
-        prompts = list(prompts)
+        if self.engine.runner_type != "generate":
+            raise ValueError(
+                f"generate() needs a generative model, but {self.engine_args.model!r} runs as a "
+                "pooling model (runner='pooling'): use embed() or encode(), or pass "
+                "runner='generate' for a model that can generate"
+            )
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -58,22 +69,31 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
+        finals = []
+        for params in params_list:
+            params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            finals.append(params)
+        return self._run(self._add_all(prompts, finals), use_tqdm)
+
+    def _add_all(
+        self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams]
+    ) -> list[str]:
+        """Queue every prompt (none of them if one is bad: ValueError naming its index)."""
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                params = params.clone()
-                params.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(self._request_counter)
                 self._request_counter += 1
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params)  # type: ignore[arg-type]
                 except ValueError as exc:
                     raise ValueError(f"prompt {i}: {exc}") from exc
                 request_ids.append(rid)
         except BaseException:
             self.engine.abort_request(request_ids)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -85,7 +105,12 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate.
+
+        A message's content may be a list of OpenAI-style parts: `{"type": "text", ...}`,
+        `{"type": "image_url", "image_url": {"url": PATH_OR_FILE_URL}}`, `video_url`
+        likewise, or in-memory `{"type": "image", "image": array_or_pil}` /
+        `{"type": "video", "video": frames}` for vision-language models."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -94,6 +119,8 @@ class LLM:
             )
         prompts: list[PromptType] = []
         for conv in conversations:
+            # Content parts (text / image_url / video_url) -> text with placeholders + media.
+            conv, media = split_content_parts(conv)
             text = render_chat_template(
                 tokenizer,
                 conv,
@@ -103,8 +130,74 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             ids = tokenizer.encode(check_text(text, "the chat"), add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if media:
+                prompt["multi_modal_data"] = media
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        normalize: bool | None = None,
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`out.outputs.embedding`), in the prompts' order.
+
+        Needs a pooling model: `LLM(model, runner="pooling")`, or an encoder / a
+        sentence-transformers checkpoint (detected). `truncate_prompt_tokens` keeps that many
+        tokens (-1: max_model_len); without it a longer prompt is an error. `normalize`
+        overrides the model's pooler (None: as the checkpoint says).
+        """
+        params = _pooling_params(
+            pooling_params,
+            task="embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            normalize=normalize,
+        )
+        outputs = self._pool(prompts, params, use_tqdm, "embed")
+        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        pooling_task: str = "token_embed",
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """Per prompt, `out.outputs.data`: every token's last hidden state [tokens, hidden]
+        (pooling_task="token_embed", not normalized unless pooling_params say so), or the
+        pooled embedding (pooling_task="embed")."""
+        task = pooling_params.task if pooling_params is not None else None
+        params = _pooling_params(
+            pooling_params, task=task or pooling_task, truncate_prompt_tokens=truncate_prompt_tokens
+        )
+        return self._pool(prompts, params, use_tqdm, "encode")
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: PoolingParams,
+        use_tqdm: bool,
+        what: str,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        if self.engine.runner_type != "pooling":
+            raise ValueError(
+                f"{what}() needs a pooling model, but {self.engine_args.model!r} runs as a "
+                f"generative model here; create it with runner='pooling' (LLM("
+                f"{self.engine_args.model!r}, runner='pooling')) to pool its hidden states"
+            )
+        prompt_list = _prompt_list(prompts)
+        outputs = self._run(self._add_all(prompt_list, [params] * len(prompt_list)), use_tqdm)
+        for index, out in enumerate(outputs):
+            if out.outputs is None:
+                raise RuntimeError(f"prompt {index} (request {out.request_id}) failed: {out.error}")
+        return outputs
 
     def get_stats(self, include_blocks: bool = False) -> EngineStats:
         """KV-cache, prefix-cache, scheduler, throughput and latency numbers right now."""
@@ -114,8 +207,10 @@ class LLM:
         """Forget all cached prefixes; later requests recompute them."""
         return self.engine.reset_prefix_cache()
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+        """Step until every request finished: RequestOutputs (PoolingRequestOutputs on a
+        pooling engine) in `request_ids`' order."""
+        results: dict[str, Any] = {}
         bar = None
         if use_tqdm and len(request_ids) > 1:
             from tqdm.auto import tqdm
@@ -130,7 +225,8 @@ class LLM:
                         continue
                     results[out.request_id] = out
                     num_in += len(out.prompt_token_ids)
-                    num_out += sum(len(o.token_ids) for o in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        num_out += sum(len(o.token_ids) for o in out.outputs)
                     if bar is not None:
                         elapsed = max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(
@@ -153,9 +249,28 @@ class LLM:
             out = results.get(rid)
             # vLLM's outputs have no error field, so without this a failure would go unnoticed.
             if out is not None and (
-                out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
+                out.error is not None
+                or (
+                    isinstance(out, RequestOutput)
+                    and any(c.finish_reason == "error" for c in out.outputs)
+                )
             ):
                 logger.warning(
                     "prompt %d (request %s) failed: %s", index, rid, out.error or "unknown error"
                 )
         return [results[r] for r in request_ids if r in results]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, dict, or a flat list of token ids) or a sequence of them -> a list."""
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _pooling_params(params: PoolingParams | None, **overrides: Any) -> PoolingParams:
+    """`params` (or the defaults) with the overrides that are not None, validated again."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    return replace(params if params is not None else PoolingParams(), **given)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -115,6 +119,81 @@ class RequestOutput:
             f"prompt_token_ids={_short(self.prompt_token_ids)}, "
             f"prompt_logprobs={_count(self.prompt_logprobs)}, outputs={self.outputs!r}, "
             f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens}{error})"
+        )
+
+
+@dataclass
+class PoolingOutput:
+    """What a pooling model computed for one prompt: `data` is a tensor on the CPU, [hidden]
+    for "embed" or [num_prompt_tokens, hidden] for "token_embed" (`LLM.encode`)."""
+
+    data: torch.Tensor
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data=<tensor {tuple(self.data.shape)}>)"
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding as a list of floats."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> EmbeddingOutput:
+        if output.data.ndim != 1:
+            raise ValueError(
+                f"an embedding is one vector, got pooled data of shape {tuple(output.data.shape)}"
+            )
+        return EmbeddingOutput(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(hidden_size={self.hidden_size})"
+
+
+_O = TypeVar("_O")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """The result of one pooling request (vLLM's shape). `outputs` is None only when the
+    request did not finish normally: aborted, or failed (then `error` says why)."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    # Not vLLM fields, hence last (as on RequestOutput).
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    def __repr__(self) -> str:
+        error = f", error={self.error!r}" if self.error is not None else ""
+        return (
+            f"{type(self).__name__}(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+            f"prompt_token_ids={_short(self.prompt_token_ids)}, finished={self.finished}{error})"
+        )
+
+
+@dataclass(repr=False)
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """`outputs.embedding` is the prompt's embedding (a list of floats)."""
+
+    @staticmethod
+    def from_base(output: PoolingRequestOutput[Any]) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            request_id=output.request_id,
+            outputs=EmbeddingOutput.from_base(output.outputs),
+            prompt_token_ids=output.prompt_token_ids,
+            num_cached_tokens=output.num_cached_tokens,
+            finished=output.finished,
+            metrics=output.metrics,
+            error=output.error,
         )
 
 

@@ -134,19 +134,22 @@ def load_hf_reference(model_path: str, dtype: str = "float32") -> Any:
     from pathlib import Path
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from tinyvllm.gguf.reader import is_gguf_file
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": "eager"}
     path = Path(model_path)
+    auto: Any = AutoModelForCausalLM
     if is_gguf_file(path):
         model_path, kwargs["gguf_file"] = str(path.parent), path.name
+    elif getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None:
+        auto = AutoModelForImageTextToText  # a vision-language model, checked on text
     # The GGUF conversion uses a plain tqdm that no transformers switch turns off.
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+            model = auto.from_pretrained(model_path, **kwargs)
     except BaseException:
         sys.stderr.write(captured.getvalue())
         raise

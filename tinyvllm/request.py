@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tinyvllm.sampling_params import SamplingParams
 
@@ -33,6 +34,25 @@ class RequestStatus(enum.IntEnum):
         }.get(self)
 
 
+@dataclass(frozen=True, eq=False)
+class MultiModalFeature:
+    """One image or video of a prompt: where its placeholder tokens sit and what fills them.
+
+    The scheduler and the prefix cache read only the plain fields; `data` is the processed
+    media (pixel patches, grid) that only the model runner opens.
+    """
+
+    modality: str  # "image" | "video"
+    identifier: str  # content hash (hex): the prefix cache's extra key and the encoder cache key
+    offset: int  # index of the first placeholder token in the prompt
+    length: int  # placeholder tokens (with EVS: the retained count)
+    data: Any = field(default=None, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -52,6 +72,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Images / videos of the prompt, in prompt order (empty for text).
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop_token_ids: frozenset[int] = frozenset(

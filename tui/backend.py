@@ -39,7 +39,7 @@ class ChatLike(Protocol):
 
     def reset(self) -> None: ...
 
-    def send(self, text: str) -> AsyncGenerator[str, None]: ...
+    def send(self, text: str | list[dict[str, Any]]) -> AsyncGenerator[str, None]: ...
 
     def stop(self) -> None: ...
 
@@ -123,6 +123,8 @@ class EngineBackend:
         entries = catalog.search(query) if query.strip() else catalog.entries
         rows = []
         for entry in entries:
+            if not entry.chat:  # embedding models (e.g. all-MiniLM-L6-v2) cannot chat
+                continue
             local = locate(entry)
             rows.append(
                 CatalogRow(

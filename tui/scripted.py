@@ -142,7 +142,7 @@ class ScriptedSession:
         self.messages.clear()
         self.last_turn = None
 
-    async def send(self, text: str) -> AsyncGenerator[str, None]:
+    async def send(self, text: str | list[dict[str, Any]]) -> AsyncGenerator[str, None]:
         self._stopped = False
         self.messages.append({"role": "user", "content": text})
         reply = ""

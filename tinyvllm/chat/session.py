@@ -22,6 +22,7 @@ from tinyvllm.chat.defaults import default_chat_params
 from tinyvllm.engine.engine import check_text
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.utils.chat_template import render_chat_template
+from tinyvllm.utils.content_parts import split_content_parts
 
 if TYPE_CHECKING:
     from tinyvllm.engine.async_llm import AsyncLLM
@@ -162,8 +163,12 @@ class ChatSession:
         return {key: self._settings[key] for key in SETTABLE_PARAMS}
 
     # ---- one turn ---------------------------------------------------------------------------
-    async def send(self, text: str) -> AsyncIterator[str]:
+    async def send(self, text: str | list[dict[str, Any]]) -> AsyncIterator[str]:
         """Add a user turn and stream the answer's text deltas.
+
+        `text` may be a list of OpenAI-style content parts (text, image_url, video_url, or
+        in-memory image / video) for vision-language models; the media stay attached to the
+        turn for the rest of the conversation.
 
         The answer joins the history when the stream ends, also when it was stopped (then
         marked `"stopped": True`). If the engine fails, the user turn is taken back and the
@@ -171,8 +176,15 @@ class ChatSession:
         """
         if self.busy:
             raise RuntimeError("an answer is still streaming; stop() it first")
-        check_text(text, "the message")
-        self.messages.append({"role": "user", "content": text})
+        message: Message = {"role": "user"}
+        if isinstance(text, str):
+            message["content"] = check_text(text, "the message")
+        else:
+            [flat], media = split_content_parts([{"role": "user", "content": text}])
+            message["content"] = check_text(flat["content"], "the message")
+            if media:
+                message["media"] = media
+        self.messages.append(message)
         try:
             prompt, dropped = self._prompt()
         except BaseException:
@@ -258,7 +270,11 @@ class ChatSession:
                 f"dropped the {dropped} oldest turn(s) so the conversation fits the "
                 f"{max_len}-token context"
             )
-        return {"prompt": text, "prompt_token_ids": ids}, dropped
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        media = _collect_media(kept)
+        if media:
+            prompt["multi_modal_data"] = media
+        return prompt, dropped
 
     def _answer_room(self, max_len: int) -> int:
         wanted = self.params.max_tokens or _DEFAULT_ANSWER_ROOM
@@ -277,7 +293,8 @@ class ChatSession:
         else:
             data = {
                 "system": self._system,
-                "messages": self.messages,
+                # Media (arrays, images) are not JSON: the text keeps their placeholders.
+                "messages": [{k: v for k, v in m.items() if k != "media"} for m in self.messages],
                 "params": self.settings(),
             }
             text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
@@ -292,6 +309,15 @@ class ChatSession:
             mark = " *(stopped)*" if m.get("stopped") else ""
             blocks.append(f"**{m['role']}:**{mark}\n\n{m['content']}")
         return "\n\n".join(blocks) + "\n"
+
+
+def _collect_media(messages: list[Message]) -> dict[str, list[Any]]:
+    """The kept turns' media, per modality in conversation order (as their placeholders)."""
+    media: dict[str, list[Any]] = {}
+    for message in messages:
+        for modality, items in message.get("media", {}).items():
+            media.setdefault(modality, []).extend(items)
+    return media
 
 
 def _write_new(path: Path, text: str, overwrite: bool) -> None:

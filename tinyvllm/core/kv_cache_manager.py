@@ -96,7 +96,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(len(hashes), num_full):
                 start = i * self.block_size
-                parent = hash_block(parent, tokens[start : start + self.block_size])
+                end = start + self.block_size
+                parent = hash_block(parent, tokens[start:end], _media_keys(request, start, end))
                 hashes.append(parent)
         return hashes[:num_full]
 
@@ -341,3 +342,15 @@ class KVCacheManager:
             owners_b = tuple(owners.get(b, ()))
             view.append(BlockInfo(b, state, pool.ref_counts[b], owners_b, snapshot))
         return view
+
+
+def _media_keys(request: Request, start: int, end: int) -> tuple[object, ...]:
+    """The content hashes of the images / videos whose placeholders overlap tokens
+    [start, end): placeholder tokens are the same for every picture of one size, so without
+    these two different videos would share their KV blocks. The offset into the item tells
+    apart the blocks of one item (and an item placed at another position)."""
+    return tuple(
+        (f.identifier, start - f.offset)
+        for f in request.mm_features
+        if f.offset < end and start < f.end
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tinyvllm.request import MultiModalFeature
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class NewRequestData:
     # state starts from on a prefix-cache hit (None: from zeros).
     state_slot: int | None = None
     restore_state_slot: int | None = None
+    # Images / videos of the prompt with their placeholder ranges (empty for text).
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass

@@ -223,6 +223,7 @@ class Scheduler:
                 eos_token_id=request.eos_token_id,
                 state_slot=state_slot,
                 restore_state_slot=restore_slot,
+                mm_features=request.mm_features,
             )
         )
         self._take(plan, request, num_new)

@@ -12,6 +12,8 @@ from typing import Any
 from tinyvllm.config import EngineArgs
 from tinyvllm.engine.engine import Engine, PromptType
 from tinyvllm.engine.engine_loop import EngineLoop
+from tinyvllm.engine.factory import AnyEngine, create_engine
+from tinyvllm.engine.pooling_engine import PoolingEngine
 from tinyvllm.engine.streams import (
     Abort,
     Add,
@@ -25,7 +27,13 @@ from tinyvllm.engine.streams import (
     StreamItem,
     new_request_id,
 )
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.stats import EngineStats
 
@@ -49,8 +57,8 @@ class AsyncLLM:
     engine's next step; `abort(request_id)` ends the stream with finish_reason "abort".
     """
 
-    def __init__(self, model: str | Engine, **engine_kwargs: Any) -> None:
-        if isinstance(model, Engine):
+    def __init__(self, model: str | AnyEngine, **engine_kwargs: Any) -> None:
+        if isinstance(model, Engine | PoolingEngine):
             if engine_kwargs:
                 raise TypeError(
                     f"engine arguments {sorted(engine_kwargs)} cannot apply to an already-built "
@@ -61,12 +69,12 @@ class AsyncLLM:
         else:
             # The same construction path as LLM, so both accept exactly the same arguments.
             self.engine_args = EngineArgs.from_kwargs(model, **engine_kwargs)
-            self.engine = Engine.from_engine_args(self.engine_args)
+            self.engine = create_engine(self.engine_args)
         self._engine_loop = EngineLoop(self.engine)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        llm = cls(Engine.from_engine_args(args))
+        llm = cls(create_engine(args))
         llm.engine_args = args
         return llm
 
@@ -97,6 +105,66 @@ class AsyncLLM:
         finally:
             if not done:
                 self._engine_loop.walk_away(sink)
+
+    async def embed(
+        self,
+        prompt: PromptType,
+        *,
+        request_id: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        normalize: bool | None = None,
+    ) -> EmbeddingRequestOutput:
+        """One prompt's embedding (`.outputs.embedding`), pooled as the model's pooler says.
+
+        Concurrent calls batch together in the engine. Needs a pooling model (runner="pooling"
+        or detected). A bad prompt raises ValueError (too long: pass truncate_prompt_tokens); a
+        failed step raises RequestError. Cancelling the call aborts the request.
+        """
+        self._require_pooling("embed")
+        params = PoolingParams(truncate_prompt_tokens, normalize, task="embed")
+        return EmbeddingRequestOutput.from_base(await self._pool(prompt, params, request_id))
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+    ) -> PoolingRequestOutput[PoolingOutput]:
+        """One pooling request: `.outputs.data` is its embedding or, with
+        `PoolingParams(task="token_embed")`, every token's hidden state."""
+        self._require_pooling("encode")
+        params = pooling_params.clone() if pooling_params is not None else PoolingParams()
+        return await self._pool(prompt, params, request_id)
+
+    async def _pool(
+        self, prompt: PromptType, params: PoolingParams, request_id: str | None
+    ) -> PoolingRequestOutput[PoolingOutput]:
+        outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
+        sink = Sink(new_request_id(request_id), outputs.put_nowait, asyncio.get_running_loop())
+        future = CommandFuture()
+        self._engine_loop.post(Add(prompt, params, sink, future))
+        done = False
+        try:
+            await future
+            item = await outputs.get()
+            done = True
+        finally:
+            if not done:
+                self._engine_loop.walk_away(sink)
+        if isinstance(item, BaseException):
+            raise item
+        if item.outputs is None:  # aborted (by id, or the engine shut down)
+            raise RequestError(item.request_id, "the request was aborted", item)
+        return item
+
+    def _require_pooling(self, what: str) -> None:
+        if self.engine.runner_type != "pooling":
+            model = self.engine.config.model.model
+            raise ValueError(
+                f"{what}() needs a pooling model, but {model!r} runs as a generative "
+                f"model here; create the engine with runner='pooling' (e.g. "
+                f"AsyncLLM({model!r}, runner='pooling')) to pool its hidden states"
+            )
 
     def stream(
         self,

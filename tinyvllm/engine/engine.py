@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
+from collections.abc import Container, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
-from tinyvllm.engine.setup import build_engine_config, load_tokenizer
 from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
-from tinyvllm.request import Request, RequestStatus
+from tinyvllm.request import MultiModalFeature, Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.stats import EngineStats
 
@@ -26,6 +28,9 @@ PromptType = str | dict[str, Any] | list[int]
 
 class Engine:
     """The synchronous engine core. Not thread-safe: one thread drives it."""
+
+    # What `LLM` / `AsyncLLM` may ask of it: generate (PoolingEngine: "pooling").
+    runner_type = "generate"
 
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         from tinyvllm.runner.model_runner import ModelRunner
@@ -56,18 +61,27 @@ class Engine:
         self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
         self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
         self.stats = StatsCollector()
+        from tinyvllm.engine.mm_inputs import MultiModalProcessor
+
+        mc = config.model
+        self.mm_processor = MultiModalProcessor(
+            mc.hf_config, mc.model_path, mc.max_model_len, mc.video_pruning_rate
+        )
         # Whether the latest step scheduled nothing: the same state would schedule nothing
         # again, so a driver should wait for new requests or aborts rather than step again.
         self.last_step_empty = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
-        args.validate()
-        config = build_engine_config(args)
-        tokenizer = None
-        if not args.skip_tokenizer_init:
-            tokenizer = load_tokenizer(config.model.tokenizer, args.trust_remote_code)
-        return cls(config, tokenizer)
+        from tinyvllm.engine.factory import create_engine
+
+        engine = create_engine(args)
+        if not isinstance(engine, cls):
+            raise ValueError(
+                f"{args.model!r} resolved to runner={engine.runner_type!r}, which Engine cannot "
+                "run; use tinyvllm.engine.factory.create_engine (as LLM does)"
+            )
+        return engine
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -83,6 +97,7 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = self._new_request_id(request_id)
         prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_ids, mm_features = self._multimodal(prompt, prompt_ids)
         self._validate_prompt(prompt_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
@@ -121,6 +136,7 @@ class Engine:
                         eos_token_id=self.eos_token_id,
                         max_tokens=max_tokens,
                         arrival_time=arrival,
+                        mm_features=mm_features,
                     )
                 )
         except BaseException:
@@ -129,15 +145,7 @@ class Engine:
         return request_id
 
     def _new_request_id(self, request_id: str | None) -> str:
-        if request_id is None:
-            request_id = str(next(self._counter))
-            while request_id in self.parents:  # a caller chose this one
-                request_id = str(next(self._counter))
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        return request_id
+        return claim_request_id(request_id, self.parents, self._counter)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
@@ -174,6 +182,19 @@ class Engine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.parents)
+
+    def aborted_output(self, request_id: str) -> RequestOutput | None:
+        """The final output of a request being aborted: what it generated so far, with
+        finish_reason "abort" (None for an unknown id). The caller then aborts it."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            self.output_processor.finish(child.request_id, "abort")
+        return self.output_processor.make_output(parent)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -294,26 +315,17 @@ class Engine:
 
     # ---- input handling ------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "text prompts need a tokenizer, but the engine was started with "
-                    "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead"
-                )
-            return prompt, list(self.tokenizer.encode(check_text(prompt)))
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise ValueError(
-                f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
-            )
-        if isinstance(prompt, list | tuple):
-            return None, list(prompt)
-        raise TypeError(
-            f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
-        )
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    def _multimodal(
+        self, prompt: PromptType, prompt_ids: list[int]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's media as placeholder spans (the placeholders expanded to their size)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            self.mm_processor.check_text_prompt(prompt_ids)
+            return prompt_ids, []
+        return self.mm_processor.process(prompt_ids, data)
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -324,13 +336,61 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens, longer than max_model_len={max_len}; "
                 "shorten it or raise max_model_len"
             )
-        vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
+        check_token_ids(prompt_ids, self.config.model.vocab_size)
+
+
+def claim_request_id(request_id: str | None, in_use: Container[str], counter: Iterator[int]) -> str:
+    """`request_id` checked to be a free str, or (None) the next free number from `counter`."""
+    if request_id is None:
+        request_id = str(next(counter))
+        while request_id in in_use:  # a caller chose this one
+            request_id = str(next(counter))
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    if request_id in in_use:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    return request_id
+
+
+def tokenize_prompt(
+    tokenizer: Any, prompt: PromptType, truncate_to: int | None = None
+) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids). With `truncate_to` at most that many tokens are kept:
+    text is truncated by the tokenizer (its truncation side, special tokens kept), token ids
+    keep the last `truncate_to` (vLLM's rule)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
             raise ValueError(
-                f"prompt_token_ids contains out-of-vocabulary id(s) {bad[:5]}; "
-                f"valid ids are 0..{vocab - 1}"
+                "text prompts need a tokenizer, but the engine was started with "
+                "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead"
             )
+        text = check_text(prompt)
+        if truncate_to is None:
+            return prompt, list(tokenizer.encode(text))
+        return prompt, list(tokenizer.encode(text, truncation=True, max_length=truncate_to))
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), ids if truncate_to is None else ids[-truncate_to:]
+        if "prompt" in prompt:
+            return tokenize_prompt(tokenizer, prompt["prompt"], truncate_to)
+        raise ValueError(
+            f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+        )
+    if isinstance(prompt, list | tuple):
+        return None, list(prompt) if truncate_to is None else list(prompt)[-truncate_to:]
+    raise TypeError(
+        f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
+    )
+
+
+def check_token_ids(prompt_ids: list[int], vocab: int) -> None:
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(
+            f"prompt_token_ids contains out-of-vocabulary id(s) {bad[:5]}; "
+            f"valid ids are 0..{vocab - 1}"
+        )
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -381,14 +441,15 @@ def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:
 
 def _generation_config_eos(config: EngineConfig, eos: int | None) -> set[int]:
     """EOS ids from generation_config.json besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
+    # Read as plain JSON: transformers' GenerationConfig costs a second of imports.
+    file = Path(config.model.model_path) / "generation_config.json"
     try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(config.model.model_path)
-    except Exception:
+        ids = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # absent (a GGUF file), unreadable, not a dict
         return set()
-    ids = gen.eos_token_id
-    if ids is None:
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    if not isinstance(ids, list):
         return set()
-    ids = {ids} if isinstance(ids, int) else set(ids)
-    return ids - ({eos} if eos is not None else set())
+    found = {i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0}
+    return found - ({eos} if eos is not None else set())

@@ -21,6 +21,7 @@ import weakref
 from dataclasses import replace
 
 from tinyvllm.engine.engine import Engine
+from tinyvllm.engine.pooling_engine import PoolingEngine
 from tinyvllm.engine.streams import (
     Abort,
     Add,
@@ -45,7 +46,7 @@ EXIT_JOIN_TIMEOUT_S = 30.0
 class EngineLoop:
     """Owns the engine thread. `post` and `walk_away` are safe from any thread."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | PoolingEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         # Guards the flags below against the thread stopping while a caller posts.
@@ -218,7 +219,7 @@ class EngineLoop:
 
     def _abort_all(self) -> None:
         deliveries = [(sink, self._abort_output(rid)) for rid, sink in self._sinks.items()]
-        for rid in list(self.engine.parents):
+        for rid in self.engine.unfinished_request_ids():
             self._drop(rid)
         self._sinks.clear()
         self._deliver(deliveries)
@@ -230,18 +231,13 @@ class EngineLoop:
 
     def _abort_output(self, rid: str) -> RequestOutput:
         """The final output of an aborted request: what it generated, finish_reason "abort"."""
-        parent = self.engine.parents.get(rid)
-        if parent is not None:
-            processor = self.engine.output_processor
-            try:
-                for child in parent.children:
-                    processor.finish(child.request_id, "abort")
-                out = processor.make_output(parent)
-            except Exception:  # e.g. a detokenizer that fails: the stream must still end
-                logger.exception("building the abort output of %s failed", rid)
-                out = None
-            if out is not None:
-                return out
+        try:
+            out = self.engine.aborted_output(rid)
+        except Exception:  # e.g. a detokenizer that fails: the stream must still end
+            logger.exception("building the abort output of %s failed", rid)
+            out = None
+        if out is not None:
+            return out
         return RequestOutput(
             request_id=rid,
             prompt=None,

@@ -14,6 +14,7 @@ from tinyvllm.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from tinyvllm.quant.config import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,15 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     gguf_path = model_path if checkpoint.is_gguf else None
     quantization = resolve_quantization(args.quantization, gguf_path)
     device = resolve_device(args.device)
-    dtype = choose_dtype(args.dtype, getattr(hf_config, "dtype", None), device)
+    config_dtype = getattr(hf_config, "dtype", None)
+    if runner_type(args, checkpoint) == "pooling":
+        from tinyvllm.engine.pooling_setup import build_pooling_config
+
+        # A config that names no dtype (older sentence-transformers exports) holds fp32
+        # weights, which HF and sentence-transformers also run in fp32.
+        dtype = choose_dtype(args.dtype, config_dtype or "float32", device)
+        return build_pooling_config(args, checkpoint, dtype, str(device), quantization)
+    dtype = choose_dtype(args.dtype, config_dtype, device)
     cache = CacheConfig(
         block_size=args.block_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -47,19 +56,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     max_model_len = _max_model_len(args, hf_config, kv_tokens, table_tokens, cache.block_size)
     max_batched = _max_num_batched_tokens(args, max_model_len)
     return EngineConfig(
-        model=ModelConfig(
-            model=args.model,
-            model_path=str(model_path),
-            tokenizer=args.tokenizer or str(model_path),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            vocab_size=hf_config.vocab_size,
-            seed=args.seed,
-            hf_config=hf_config,
-            max_model_len_explicit=args.max_model_len is not None,
-            quantization=quantization,
-            requested_quantization=args.quantization,
-        ),
+        model=model_config(args, checkpoint, dtype, max_model_len, quantization),
         cache=cache,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -72,9 +69,61 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             device=str(device),
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            fp32_weight_copy_bytes=args.fp32_weight_copy_bytes,
         ),
         speculative=_speculative_config(args.speculative_config),
     )
+
+
+def model_config(
+    args: EngineArgs,
+    checkpoint: Any,
+    dtype: str,
+    max_model_len: int,
+    quantization: QuantConfig | None,
+    **extra: Any,
+) -> ModelConfig:
+    """The ModelConfig of `checkpoint` as `args` ask for it; `extra` sets further fields."""
+    return ModelConfig(
+        model=args.model,
+        model_path=str(checkpoint.path),
+        tokenizer=args.tokenizer or str(checkpoint.path),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        vocab_size=checkpoint.hf_config.vocab_size,
+        seed=args.seed,
+        hf_config=checkpoint.hf_config,
+        max_model_len_explicit=args.max_model_len is not None,
+        quantization=quantization,
+        requested_quantization=args.quantization,
+        video_pruning_rate=float(args.video_pruning_rate or 0.0),
+        **extra,
+    )
+
+
+def runner_type(args: EngineArgs, checkpoint: Any) -> str:
+    """The runner, "generate" or "pooling", for `args.runner` on this checkpoint ("auto":
+    pooling for encoder-only architectures and sentence-transformers directories)."""
+    from tinyvllm.models.registry import resolve_architecture
+    from tinyvllm.models.sentence_transformers import is_sentence_transformers_dir
+
+    arch, entry = resolve_architecture(checkpoint.hf_config)
+    if args.runner == "auto":
+        if "generate" not in entry.runners:
+            return "pooling"
+        st_dir = not checkpoint.is_gguf and is_sentence_transformers_dir(checkpoint.path)
+        return "pooling" if st_dir else "generate"
+    if args.runner not in entry.runners and args.runner == "generate":
+        raise ValueError(
+            f"{arch} is an encoder-only model: it computes embeddings and cannot generate "
+            f"text; use runner='pooling' (or 'auto') with embed() / encode()"
+        )
+    if args.runner not in entry.runners:
+        raise ValueError(
+            f"{arch} cannot run as a pooling model (its recurrent state is kept by the "
+            f"generate runner only); use runner='generate' (or 'auto')"
+        )
+    return args.runner
 
 
 def _max_model_len(
@@ -175,14 +224,14 @@ def _speculative_config(config: Any) -> Any:
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
     from tinyvllm.gguf.reader import is_gguf_file
 
     if is_gguf_file(name):
         from tinyvllm.gguf.config import load_gguf_tokenizer
 
         return load_gguf_tokenizer(name)
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as exc:

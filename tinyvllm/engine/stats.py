@@ -126,7 +126,8 @@ class StatsCollector:
             num_cached_free_blocks=pool.num_cached_free_blocks,
             num_free_blocks=pool.num_free_blocks,
             block_size=kv.block_size,
-            kv_usage=pool.num_used_blocks / pool.num_blocks,
+            # A pooling model has no KV cache (zero blocks).
+            kv_usage=pool.num_used_blocks / pool.num_blocks if pool.num_blocks else 0.0,
             prefix_cache_enabled=kv.prefix_caching,
             prefix_queries=kv.prefix_queries,
             prefix_hits=kv.prefix_hits,

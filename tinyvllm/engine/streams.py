@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tinyvllm.engine.engine import PromptType
-from tinyvllm.outputs import RequestOutput
+from tinyvllm.outputs import PoolingRequestOutput, RequestOutput
+from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import SamplingParams
 
-StreamItem = RequestOutput | BaseException
+StreamItem = RequestOutput | PoolingRequestOutput[Any] | BaseException
 
 
 class EngineDeadError(RuntimeError):
@@ -29,7 +30,12 @@ class RequestError(Exception):
     generated before the failure.
     """
 
-    def __init__(self, request_id: str, message: str, output: RequestOutput | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        message: str,
+        output: RequestOutput | PoolingRequestOutput[Any] | None = None,
+    ) -> None:
         super().__init__(f"request {request_id!r} failed: {message}")
         self.request_id = request_id
         self.message = message
@@ -56,7 +62,7 @@ class Sink:
 @dataclass
 class Add:
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     sink: Sink
     future: CommandFuture
 

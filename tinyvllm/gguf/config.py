@@ -3,6 +3,7 @@ tokenizer (which transformers rebuilds from the vocabulary stored in the file)."
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -10,14 +11,16 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from tinyvllm.gguf.model_config import MODEL_TYPES, GGUFModelConfig
 from tinyvllm.gguf.reader import GGUFFile, read_gguf
+from tinyvllm.gguf.tokenizer import SnapshotTokenizer, save_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -195,10 +198,18 @@ def _llama3_from_rope_freqs(gf: GGUFFile, theta: float, head_dim: int) -> dict[s
     )
 
 
-def gguf_to_hf_config(gf: GGUFFile) -> Any:
-    """A transformers config (with `architectures` set) describing the GGUF model."""
+def _config_class(model_type: str) -> Callable[..., Any]:
+    """tinyvllm's config for the llama family (the same values, without importing
+    transformers: over a second), transformers' config class for the others."""
+    if model_type in MODEL_TYPES:
+        return functools.partial(GGUFModelConfig.from_kwargs, model_type)
     from transformers import CONFIG_MAPPING
 
+    return CONFIG_MAPPING[model_type]
+
+
+def gguf_to_hf_config(gf: GGUFFile) -> Any:
+    """A transformers config (with `architectures` set) describing the GGUF model."""
     model_type, architecture = check_architecture(gf)
     hidden = _int(gf, "embedding_length")
     heads = _int(gf, "attention.head_count")
@@ -251,7 +262,7 @@ def gguf_to_hf_config(gf: GGUFFile) -> Any:
     if kwargs["rope_scaling"] is None:
         del kwargs["rope_scaling"]
     try:
-        return CONFIG_MAPPING[model_type](**kwargs)
+        return _config_class(model_type)(**kwargs)
     except Exception as exc:  # transformers validates sizes with its own error types
         detail = str(exc).splitlines()[-1].strip() if str(exc) else type(exc).__name__
         raise ValueError(
@@ -283,12 +294,12 @@ def load_gguf_config(path: str | Path) -> Any:
 def tokenizer_cache_dir(path: Path) -> Path:
     """Where the tokenizer rebuilt from `path` is saved: keyed by the file's identity and the
     transformers version that converted it."""
-    import transformers
+    from importlib.metadata import version  # not `import transformers`: that takes seconds
 
     from tinyvllm.utils.dirs import user_cache_dir
 
     st = path.stat()
-    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}"
     return user_cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
@@ -297,18 +308,19 @@ def load_gguf_tokenizer(path: str | Path, use_cache: bool = True) -> Any:
     token ids and chat template.
 
     Rebuilding takes seconds (transformers parses the whole file and converts the vocabulary),
-    so the result is saved once as a regular tokenizer directory and reloaded from there.
+    so the result is saved once as a regular tokenizer directory and reloaded from there,
+    through its snapshot (`gguf.tokenizer`) without importing transformers where there is one.
     """
-    from transformers import AutoTokenizer
-
     path = Path(path).expanduser().resolve()
     check_architecture(read_gguf(path))
     cached = tokenizer_cache_dir(path) if use_cache else None
     if cached is not None and (cached / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return SnapshotTokenizer.load(cached) or _load_and_snapshot(cached)
         except Exception as exc:  # a damaged cache entry is rebuilt, never fatal
             logger.warning("ignoring cached tokenizer %s: %s", cached, exc)
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
@@ -321,11 +333,23 @@ def load_gguf_tokenizer(path: str | Path, use_cache: bool = True) -> Any:
     return tokenizer
 
 
+def _load_and_snapshot(cached: Path) -> Any:
+    """The cached tokenizer through transformers (a cache entry written before snapshots)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(cached))
+    save_snapshot(tokenizer, cached)
+    return tokenizer
+
+
 def _save_atomically(tokenizer: Any, target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent))
         tokenizer.save_pretrained(str(tmp))
+        # Of the tokenizer reloaded from the directory, as every later start loaded it (a
+        # class like Qwen2Tokenizer rebuilds its backend on load).
+        _load_and_snapshot(tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     except OSError as exc:  # read-only home, full disk: just rebuild next time

@@ -9,8 +9,10 @@ tests compare this parser with.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ _NUMPY: dict[int, str] = {
     12: "<f8",
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 # Fewest bytes one item of each kind takes in the file: counts read from the file are
 # checked against the bytes left before anything is built from them.
 _MIN_ITEM_BYTES = {**{t: struct.calcsize(f) for t, f in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
@@ -59,6 +62,9 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, ndims, type, offset
 # ggml tensors have at most four dimensions; metadata arrays nest a level or two.
 _MAX_DIMS = 4
 _MAX_NESTING = 8
+# String arrays longer than this (a tokenizer's vocabulary and merges: ~100k strings) are
+# only walked, for the bounds checks, while parsing; their strings are decoded on first read.
+_LAZY_ARRAY_ITEMS = 64
 # ggml type ids of the unquantized formats: F32, F16, BF16.
 _FLOAT_QTYPES = frozenset({0, 1, 30})
 
@@ -79,13 +85,52 @@ class TensorInfo:
         return qtype_name(self.qtype)
 
 
+@dataclass(frozen=True)
+class _LazyArray:
+    """A metadata array of strings (or arrays) kept as its bytes, already bounds-checked."""
+
+    data: bytes
+    item_type: int
+    count: int
+
+    def decode(self, path: Path) -> list[Any]:
+        cur = _Cursor(self.data, path, lazy=False)
+        if self.item_type == _STRING:
+            return cur.strings(self.count)
+        return [cur.value(self.item_type, 1) for _ in range(self.count)]
+
+
+class GGUFMetadata(Mapping[str, Any]):
+    """The metadata key/value pairs. Long string arrays (the tokenizer's vocabulary and
+    merges) are decoded on first access: start-up reads only the model's sizes."""
+
+    def __init__(self, values: dict[str, Any], path: Path) -> None:
+        self._values = values
+        self._path = path
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if isinstance(value, _LazyArray):
+            value = self._values[key] = value.decode(self._path)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"GGUFMetadata({len(self)} keys of {self._path.name!r})"
+
+
 @dataclass
 class GGUFFile:
     """A parsed .gguf file. Tensor bytes stay on disk until `raw` maps them."""
 
     path: Path
     version: int
-    metadata: dict[str, Any]
+    metadata: Mapping[str, Any]
     tensors: dict[str, TensorInfo]
     _map: mmap.mmap | None = field(default=None, repr=False)
 
@@ -124,14 +169,30 @@ class GGUFFile:
             rows *= dim
         return tensor.view(rows, -1)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's file pages from this process's memory once its values were copied
+        out. Without this a load holds the whole file's pages (counted in RSS) next to the
+        weights built from them, ~2x the model at peak. A view still in use stays valid: the
+        mapping is private and never written, so its pages are read back from the file."""
+        info = self.tensors[name]
+        advice = getattr(mmap, "MADV_DONTNEED", None)  # absent on Windows: keep the pages
+        if self._map is None or info.nbytes <= 0 or advice is None:
+            return
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.nbytes) // page * page
+        if end > start:
+            self._map.madvise(advice, start, end - start)
+
 
 class _Cursor:
     """Sequential little-endian reads over the file's bytes."""
 
-    def __init__(self, buffer: mmap.mmap, path: Path) -> None:
+    def __init__(self, buffer: mmap.mmap | bytes, path: Path, lazy: bool = True) -> None:
         self.buffer = buffer
         self.pos = 0
         self.path = path
+        self.lazy = lazy
 
     def scalar(self, fmt: str) -> Any:
         try:
@@ -149,6 +210,24 @@ class _Cursor:
         raw = self.buffer[self.pos : end]
         self.pos = end
         return raw.decode("utf-8", errors="replace")
+
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in one tight loop: a vocabulary holds 262k of them (Gemma 3), and
+        going through `string` for each took most of a second per parse."""
+        buffer, pos, size = self.buffer, self.pos, len(self.buffer)
+        unpack = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                raise ValueError(f"{self.path} is truncated or corrupt (read past its end)")
+            (length,) = unpack(buffer, pos)
+            start, pos = pos + 8, pos + 8 + length
+            if pos > size:
+                raise ValueError(f"{self.path} is truncated or corrupt (string past its end)")
+            append(buffer[start:pos].decode("utf-8", errors="replace"))
+        self.pos = pos
+        return out
 
     def count(self, what: str, min_item_bytes: int) -> int:
         """A count read from the file, checked against the bytes that are left."""
@@ -175,6 +254,10 @@ class _Cursor:
                     f"{self.path} has an unknown metadata array item type {item_type} (corrupt?)"
                 )
             count = self.count("array items", _MIN_ITEM_BYTES[item_type])
+            if self.lazy and count > _LAZY_ARRAY_ITEMS and item_type in (_STRING, _ARRAY):
+                return self.lazy_array(item_type, count, depth)
+            if item_type == _STRING:
+                return self.strings(count)
             if item_type in _NUMPY:
                 # Numeric arrays (token types, scores) are read in one go.
                 dtype = np.dtype(_NUMPY[item_type])
@@ -183,6 +266,31 @@ class _Cursor:
                 return values.tolist()
             return [self.value(item_type, depth + 1) for _ in range(count)]
         raise ValueError(f"{self.path} has an unknown metadata value type {vtype} (corrupt?)")
+
+    def lazy_array(self, item_type: int, count: int, depth: int) -> _LazyArray:
+        """A long array of strings (or arrays) walked for its bounds, kept as its bytes."""
+        start = self.pos
+        if item_type == _STRING:
+            self.skip_strings(count)
+        else:
+            for _ in range(count):
+                self.value(item_type, depth + 1)
+        return _LazyArray(self.buffer[start : self.pos], item_type, count)
+
+    def skip_strings(self, count: int) -> None:
+        """Move past `count` strings, checking each stays inside the file (a tight loop: a
+        vocabulary has ~10^5 of them)."""
+        buffer, pos, end = self.buffer, self.pos, len(self.buffer)
+        unpack = _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            pos += 8 + unpack(buffer, pos)[0]
+        else:
+            if pos <= end:
+                self.pos = pos
+                return
+        raise ValueError(f"{self.path} is truncated or corrupt (string past its end)")
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -203,6 +311,15 @@ def read_gguf(path: str | Path) -> GGUFFile:
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {str(path)!r}")
+    st = path.stat()
+    return _read_unchanged(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+# One load reads the file's header from several places (config, quantization, tokenizer, the
+# loader's checks, the weights); they share one parse while the file stays the same file
+# (inode, size and modification time: a rewritten file is parsed again).
+@functools.lru_cache(maxsize=4)
+def _read_unchanged(path: Path, inode: int, size: int, mtime_ns: int) -> GGUFFile:
     with open(path, "rb") as handle:
         if handle.read(4) != GGUF_MAGIC:
             raise ValueError(
@@ -226,10 +343,11 @@ def _parse(buffer: mmap.mmap, path: Path) -> GGUFFile:
         raise ValueError(f"{str(path)!r} has GGUF version {version}{hint}; versions 2 and 3 load")
     tensor_count = cur.scalar("<Q")
     kv_count = cur.count("metadata entries", _MIN_KV_BYTES)
-    metadata: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for _ in range(kv_count):
         key = cur.string()
-        metadata[key] = cur.value(cur.scalar("<I"))
+        values[key] = cur.value(cur.scalar("<I"))
+    metadata = GGUFMetadata(values, path)
     if tensor_count * _MIN_TENSOR_INFO_BYTES > len(buffer) - cur.pos:
         raise ValueError(
             f"{str(path)!r} is truncated or corrupt: it declares {tensor_count} tensors, more "
@@ -261,7 +379,7 @@ def _parse(buffer: mmap.mmap, path: Path) -> GGUFFile:
     return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
 
 
-def _alignment(metadata: dict[str, Any], path: Path) -> int:
+def _alignment(metadata: Mapping[str, Any], path: Path) -> int:
     value = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
         raise ValueError(

@@ -122,7 +122,9 @@ def iter_gguf_weights(
             shape = (info.shape[0], info.shape[1])
             weight = GGUFWeight(data=raw, qtype=info.qtype, shape=shape)
             yield hf_name, weight if index is None else weight.select_rows(index)
+            gf.release(name)
             continue
         else:
             tensor = dequantize(raw, info.qtype, info.shape).to(dtype)
         yield hf_name, tensor if index is None else tensor[index]
+        gf.release(name)  # the model copied it

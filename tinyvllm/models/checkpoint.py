@@ -46,7 +46,8 @@ def resolve_checkpoint(
     else:
         path = resolve_model_path(model, revision, download_dir)
         _check_layer_count_first(path)
-        checkpoint = Checkpoint(path, _read_hf_config(path, trust_remote_code), is_gguf=False)
+        config = lift_text_config(_read_hf_config(path, trust_remote_code))
+        checkpoint = Checkpoint(path, config, is_gguf=False)
     get_model_class(checkpoint.hf_config)
     _check_config(checkpoint)
     return checkpoint
@@ -62,6 +63,41 @@ def _read_hf_config(model_path: Path, trust_remote_code: bool) -> Any:
         raise ValueError(
             f"cannot read the model config {str(model_path / 'config.json')!r}: {detail}"
         ) from exc
+
+
+# Language-model fields the engine reads from the top-level config.
+_TEXT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "hidden_act",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "eos_token_id",
+    "bos_token_id",
+)
+
+
+def lift_text_config(config: Any) -> Any:
+    """A vision-language config keeps its language model's sizes in `text_config`
+    (transformers v5); copy the ones the engine reads (KV sizing, context length, checks) onto
+    the top level, where text models have them, so every reader looks in one place."""
+    text = getattr(config, "text_config", None)
+    if text is None or getattr(config, "vision_config", None) is None:
+        return config
+    for name in _TEXT_FIELDS:
+        if getattr(config, name, None) is None and getattr(text, name, None) is not None:
+            setattr(config, name, getattr(text, name))
+    return config
 
 
 def _check_layer_count_first(model_path: Path) -> None:

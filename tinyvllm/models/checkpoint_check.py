@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# NemotronH checkpoints call the trunk "backbone".
-_LAYER = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.")
+# Decoder layers (model.layers.N; backbone.layers.N in NemotronH; layers.N in a headless
+# backbone such as Qwen3-Embedding) and BERT encoder layers (encoder.layer.N, maybe under bert.).
+_LAYER = re.compile(r"^(?:(?:model\.|backbone\.)?layers|(?:bert\.)?encoder\.layer)\.(\d+)\.")
 _POSITIVE_INTS = (
     "vocab_size",
     "hidden_size",
@@ -134,7 +135,13 @@ def check_against_checkpoint(
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = config.intermediate_size
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-    embedding = getattr(model_cls, "embedding_tensor", "model.embed_tokens.weight")
+    # A headless backbone (the base model saved without its LM head) names tensors without
+    # the "model." prefix.
+    headless = "model.embed_tokens.weight" not in directory.shapes and (
+        "embed_tokens.weight" in directory.shapes
+    )
+    base = "" if headless else "model."
+    embedding = getattr(model_cls, "embedding_tensor", f"{base}embed_tokens.weight")
     expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
         embedding: ((config.vocab_size, hidden), ("vocab_size", "hidden_size")),
     }
@@ -142,7 +149,7 @@ def check_against_checkpoint(
     if own_shapes is not None:
         expected |= own_shapes(config)
     elif layers:
-        attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+        attn, mlp = f"{base}layers.0.self_attn", f"{base}layers.0.mlp"
         expected |= {
             f"{attn}.q_proj.weight": ((q_rows, hidden), ("num_attention_heads", "hidden_size")),
             f"{attn}.k_proj.weight": ((kv_rows, hidden), ("num_key_value_heads", "hidden_size")),
@@ -153,7 +160,7 @@ def check_against_checkpoint(
             f"{mlp}.down_proj.weight": ((hidden, inter), ("hidden_size", "intermediate_size")),
         }
     for name, (shape, fields) in expected.items():
-        _check_shape(directory, name, shape, fields)
+        check_shape(directory, name, shape, fields)
 
 
 def check_layer_count(layers: int, directory: TensorDirectory) -> None:
@@ -167,7 +174,7 @@ def check_layer_count(layers: int, directory: TensorDirectory) -> None:
         )
 
 
-def _check_shape(
+def check_shape(
     directory: TensorDirectory, name: str, shape: tuple[int, ...], fields: tuple[str, ...]
 ) -> None:
     actual = directory.shapes.get(name)

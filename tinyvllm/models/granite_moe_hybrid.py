@@ -220,7 +220,7 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         super().__init__(config, max_model_len, quant_config)
         self.logits_scaling = float(config.logits_scaling)
 
-    def _build_model(
+    def build_language_model(
         self, config: Any, max_model_len: int, quant_config: QuantConfig | None
     ) -> nn.Module:
         return GraniteMoeHybridModel(config, max_model_len, quant_config)

@@ -282,7 +282,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         (".w3.", ".gate_up_proj.", 1),
     )
 
-    def _build_model(
+    def build_language_model(
         self, config: Any, max_model_len: int, quant_config: QuantConfig | None
     ) -> nn.Module:
         return Lfm2Model(config, max_model_len, quant_config)

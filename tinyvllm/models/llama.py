@@ -213,11 +213,15 @@ class LlamaModel(nn.Module):
         max_model_len: int,
         options: FamilyOptions,
         quant_config: QuantConfig | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config)
-        # One table shared by all layers; sized for the longest sequence we serve.
-        self.rotary_emb = RotaryEmbedding(RopeConfig.from_hf_config(config), max_model_len)
+        # One table shared by all layers; sized for the longest sequence we serve. A model
+        # with another position scheme (M-RoPE) brings its own.
+        self.rotary_emb = rotary_emb or RotaryEmbedding(
+            RopeConfig.from_hf_config(config), max_model_len
+        )
         windows = layer_sliding_windows(config, options.sliding_window_mode)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, options, self.rotary_emb, windows[i], quant_config)
@@ -226,9 +230,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
@@ -263,15 +271,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.max_model_len = max_model_len
         self.quant_config = quant_config
-        self.model = self._build_model(config, max_model_len, quant_config)
+        self.model = self.build_language_model(config, max_model_len, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # False once a checkpoint without its (untied) lm_head is loaded: pooling only.
+        self.has_lm_head = True
         self.lm_head = output_head(self.model.embed_tokens, self.tie_word_embeddings, quant_config)
 
-    def _build_model(
-        self, config: PretrainedConfig, max_model_len: int, quant_config: QuantConfig | None
+    def build_language_model(
+        self, config: Any, max_model_len: int, quant_config: QuantConfig | None
     ) -> nn.Module:
-        """The decoder stack (a model file reusing this class's head and loading builds its
-        own); it must expose `embed_tokens`."""
+        """The decoder stack (a subclass with another position scheme or other layers builds
+        its own, reusing this class's head and loading); it must expose `embed_tokens`."""
         return LlamaModel(config, max_model_len, self.options, quant_config)
 
     def forward(
@@ -320,13 +330,18 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFWeight]]) -> None:
         """Copy checkpoint tensors, streamed one by one, into the parameters (quantized
-        layers also take raw GGUF blocks)."""
-        load_named_weights(
+        layers also take raw GGUF blocks). A headless backbone (the base model saved alone,
+        as Qwen3-Embedding ships: no "model." prefix, no lm_head) loads too; it can pool but
+        not generate (`has_lm_head` False when its untied lm_head is missing)."""
+        names = _BackboneNames()
+        skipped = load_named_weights(
             self,
-            weights,  # type: ignore[arg-type]
+            names.prefixed(weights),  # type: ignore[arg-type]
             stacked_params=self.stacked_params,
             ignore=self._ignored_checkpoint_tensor,
+            optional=lambda name: names.headless and name == "lm_head.weight",
         )
+        self.has_lm_head = "lm_head.weight" not in skipped
         self._check_norms_finite()
         finalize_quantized_weights(self)
 
@@ -339,6 +354,21 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name}.weight holds NaN or infinite values "
                     "(a corrupt file?)"
                 )
+
+
+class _BackboneNames:
+    """Maps a headless backbone's tensor names ("layers.0...", "embed_tokens.weight") onto
+    the model's ("model.layers.0..."), noting whether the checkpoint was one."""
+
+    def __init__(self) -> None:
+        self.headless = False
+
+    def prefixed(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        for name, tensor in weights:
+            if not name.startswith(("model.", "lm_head.")):
+                self.headless = True
+                name = f"model.{name}"
+            yield name, tensor
 
 
 class MistralForCausalLM(LlamaForCausalLM):

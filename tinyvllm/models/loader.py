@@ -203,6 +203,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@contextlib.contextmanager
+def _one_torch_thread(enabled: bool) -> Iterator[None]:
+    """Run torch ops on one thread while `enabled`. Loading kept GGUF blocks is memory copies
+    (stacking fused shards, permuting q/k rows): one thread already saturates memory bandwidth,
+    and torch's parallel copy waits for every OpenMP worker, so with another program on the
+    cores (a descheduled worker) it ran 6x slower than one thread (a 3.7 s load took 10-15 s at
+    load average 10)."""
+    if not enabled:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def load_model(
     model_dir: Path,
     hf_config: Any,
@@ -223,8 +241,13 @@ def load_model(
     """
     model_cls = get_model_class(hf_config)
     path = Path(model_dir)
-    # Every size the model allocates must agree with a tensor really in the file.
-    check_against_checkpoint(hf_config, tensor_directory(path), model_cls)
+    # Every size the model allocates must agree with a tensor really in the file (a model
+    # family with other tensor names brings its own check, or its own layer shapes).
+    own_check = getattr(model_cls, "check_checkpoint", None)
+    if own_check is not None:
+        own_check(hf_config, tensor_directory(path))
+    else:
+        check_against_checkpoint(hf_config, tensor_directory(path), model_cls)
     # Parameters are allocated directly on the device in the target dtype (uninitialised:
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):
@@ -233,7 +256,8 @@ def load_model(
     keep_blocks = quant_config is not None and quant_config.method == "gguf"
     weights = _iter_weights(path, hf_config, dtype, device, keep_blocks)
     try:
-        model.load_weights(weights)  # type: ignore[operator]
+        with _one_torch_thread(keep_blocks and torch.device(device).type == "cpu"):
+            model.load_weights(weights)  # type: ignore[operator]
     except (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):
         raise  # the device's failures, not the file's
     except (ValueError, ArithmeticError, RuntimeError, IndexError) as exc:

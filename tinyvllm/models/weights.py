@@ -41,13 +41,16 @@ def load_named_weights(
     *,
     stacked_params: Sequence[StackedParam] = (),
     ignore: Callable[[str], bool] = lambda name: False,
-) -> None:
+    optional: Callable[[str], bool] = lambda name: False,
+) -> list[str]:
     """Copy `(checkpoint name, tensor)` pairs into `model`'s parameters as they stream.
 
     A checkpoint name containing a `stacked_params` fragment goes to the fused parameter
     (with that shard id); any other name must equal a parameter name. Each parameter's
     `weight_loader` does the copy and the shape check. Raises ValueError naming the
-    tensor for an unexpected or mis-shaped tensor, and listing what is missing at the end.
+    tensor for an unexpected or mis-shaped tensor, and listing what is missing at the end,
+    except the parameters `optional` accepts (asked once every tensor is in): those missing
+    are returned.
     """
     model_name = type(model).__name__
     params = dict(model.named_parameters())
@@ -77,9 +80,11 @@ def load_named_weights(
                     f"{target!r}: {exc}"
                 ) from None
             pending[target].discard(shard_id)
+    skipped = [name for name, shard_ids in pending.items() if shard_ids and optional(name)]
     missing = [
         _checkpoint_name(name, shard_id, stacked_params)
         for name, shard_ids in pending.items()
+        if name not in skipped
         for shard_id in sorted(shard_ids, key=str)
     ]
     if missing:
@@ -87,3 +92,4 @@ def load_named_weights(
             f"the checkpoint is missing {len(missing)} tensor(s) that {model_name} needs: "
             f"{_listing(missing)}"
         )
+    return skipped

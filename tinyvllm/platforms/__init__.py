@@ -20,14 +20,21 @@ class CudaPlatform(Platform):
         return True
 
 
-def select_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool) -> Platform:
+def select_platform(
+    device: torch.device,
+    dtype: torch.dtype,
+    enforce_eager: bool,
+    fp32_weight_copy_bytes: int | None = None,
+) -> Platform:
     """The platform for `device`. `enforce_eager` keeps the plain PyTorch path: no CUDA
-    graphs, and on CPU no native library at all (torch ops only)."""
+    graphs, and on CPU no native library at all (torch ops only). `fp32_weight_copy_bytes`
+    caps the CPU's fp32 GEMM weight copies (see EngineArgs)."""
     if device.type == "cpu":
         from tinyvllm.native.ops import NativeCpuOps
         from tinyvllm.platforms.cpu import CpuPlatform
 
-        return CpuPlatform(device, dtype, None if enforce_eager else NativeCpuOps.load())
+        native = None if enforce_eager else NativeCpuOps.load()
+        return CpuPlatform(device, dtype, native, fp32_weight_copy_bytes)
     if device.type == "cuda" and not enforce_eager:
         return CudaPlatform(device, dtype)
     return Platform(device, dtype)

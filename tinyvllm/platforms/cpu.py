@@ -10,7 +10,7 @@ from torch import nn
 
 from tinyvllm.attention.backend import AttentionBackend
 from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
-from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
+from tinyvllm.models.layers.linear import Fp32CopyBudget, attach_fp32_gemm_weights
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
@@ -27,10 +27,16 @@ class CpuPlatform(Platform):
     graphs."""
 
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, native: NativeCpuOps | None
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        native: NativeCpuOps | None,
+        fp32_weight_copy_bytes: int | None = None,
     ) -> None:
         super().__init__(device, dtype)
         self.native = native
+        # fp32 GEMM weight copies are made on first use within this; target and draft share it.
+        self.fp32_copy_budget = Fp32CopyBudget(fp32_weight_copy_bytes)
         self.name = "cpu" if native is None else "cpu_native"
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
@@ -46,10 +52,13 @@ class CpuPlatform(Platform):
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():
-            extra = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS)
+            most = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS, self.fp32_copy_budget)
+            limit = self.fp32_copy_budget.left
             logger.info(
-                "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs (+%.0f MiB)",
-                extra / 2**20,
+                "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs, made on "
+                "first use (up to %.0f MiB%s)",
+                most / 2**20,
+                "" if limit is None else f", budget {limit / 2**20:.0f} MiB",
             )
         if self.native is not None:
             attach_native_ops(model, self.native)

@@ -17,9 +17,9 @@ import torch
 from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tinyvllm.models.loader import load_model, module_bytes
+from tinyvllm.models.loader import module_bytes
 from tinyvllm.models.registry import resolve_architecture
-from tinyvllm.platforms import Platform, select_platform
+from tinyvllm.platforms import Platform
 from tinyvllm.runner.cuda_graphs import (
     CudaGraphDispatcher,
     CudaGraphRunner,
@@ -34,7 +34,8 @@ from tinyvllm.runner.kv_cache import (
     allocate_state_tensors,
     determine_num_blocks,
 )
-from tinyvllm.runner.model_states import ModelInputs, ModelState, model_state_class
+from tinyvllm.runner.loading import load_target_model
+from tinyvllm.runner.model_states import ModelInputs, ModelState, create_model_state
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
@@ -65,24 +66,12 @@ class ModelRunner:
         mc = config.model
         self.block_size = config.cache.block_size
         # Every device-specific kernel choice is made here, once (see tinyvllm/platforms/).
-        self.platform: Platform = select_platform(device, dtype, config.device.enforce_eager)
-        self.model = load_model(
-            mc.model_path,
-            mc.hf_config,
-            dtype,
-            device,
-            mc.max_model_len,
-            mc.quantization,
-            self.platform.quant_kernels,
-        )
+        self.platform: Platform
+        self.platform, self.model = load_target_model(config, dtype, device)
         self.weight_bytes = module_bytes(self.model)
-        logger.info(
-            "model weights: %.1f MiB (quantization=%s)", self.weight_bytes / 2**20, mc.quantization
-        )
-        self.platform.prepare_model(self.model)
         state_kind = resolve_architecture(mc.hf_config)[1].state_kind
-        self.model_state: ModelState = model_state_class(state_kind)(
-            self.model, config.scheduler.max_num_seqs, device
+        self.model_state: ModelState = create_model_state(
+            state_kind, self.model, config.scheduler.max_num_seqs, device, mc.video_pruning_rate
         )
         self.layers = self.model.attention_layers()
         # Hybrid models' mixer layers with per-request recurrent state (empty: none).
@@ -149,10 +138,12 @@ class ModelRunner:
             size.num_running_states + size.num_snapshot_states,
             self.device,
         )
-        # Built after the KV caches exist: the program points into them.
-        self.decode_program = self.platform.decode_program(self.model)
+        # Built after the KV caches exist: the program points into them. Both fast paths
+        # take flat positions only.
+        flat = self.model_state.flat_positions
+        self.decode_program = self.platform.decode_program(self.model) if flat else None
         max_blocks_per_req = -(-max_model_len // self.block_size)
-        if self.platform.uses_cuda_graphs:
+        if self.platform.uses_cuda_graphs and flat:
             self.cuda_graphs = self._capture_cuda_graphs(max_blocks_per_req)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
@@ -317,6 +308,8 @@ class ModelRunner:
                 md.block_table,
             )  # fmt: skip
         self.backend.plan(md)
+        if inputs.inputs_embeds is not None:
+            return self.model(inputs.input_ids, inputs.positions, md, inputs.inputs_embeds)
         return self.model(inputs.input_ids, inputs.positions, md)
 
     def _verify(

@@ -8,7 +8,8 @@ string/list growth, large numeric arguments and the rendered output are capped.
 
 The environment copies transformers' settings, globals and filters (`raise_exception`,
 `strftime_now`, `tojson`, its hardened `dict` and `namespace`), so templates render as
-`tokenizer.apply_chat_template` renders them.
+`tokenizer.apply_chat_template` renders them: borrowed from transformers when it is imported,
+else tinyvllm's own (`utils.template_env`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tinyvllm.utils.template_env import (
+    TEMPLATE_EXTENSIONS,
+    TEMPLATE_FILTERS,
+    TEMPLATE_GLOBALS,
+    alias_reasoning_fields,
+    plain_template_data,
+)
 
 # Compiled template code runs in frames with this file name (Environment.from_string).
 _TEMPLATE_FILE = "<template>"
@@ -140,7 +149,10 @@ def _checked_join(join: Callable[[Any], str], env: _LimitedSandbox) -> Callable[
 
 
 def _transformers_environment() -> Any:
-    """transformers' own template environment (for its globals, filters and extensions)."""
+    """transformers' own template environment (for its globals, filters and extensions), when
+    transformers is already imported (importing it only for this costs seconds)."""
+    if "transformers" not in sys.modules:
+        return None
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:  # pragma: no cover - transformers without chat template helpers
@@ -151,12 +163,16 @@ def _transformers_environment() -> Any:
 @functools.lru_cache(maxsize=16)
 def _compile(source: str, limits: TemplateLimits) -> Any:
     reference = _transformers_environment()
-    extensions = [] if reference is None else [type(e) for e in reference.extensions.values()]
-    env = _LimitedSandbox(limits, extensions or ["jinja2.ext.loopcontrols"])
-    if reference is not None:
-        env.globals.update(reference.globals)
+    if reference is None:
+        extensions: list[Any] = list(TEMPLATE_EXTENSIONS)
+        globals_, filters = TEMPLATE_GLOBALS, TEMPLATE_FILTERS
+    else:
+        extensions = [type(e) for e in reference.extensions.values()]
+        globals_, filters = reference.globals, reference.filters
+    env = _LimitedSandbox(limits, extensions)
+    env.globals.update(globals_)
     env.globals.pop("lipsum", None)  # paragraphs of filler, `lipsum(10**6)` in one call
-    env.add_filters({**env.filters, **({} if reference is None else reference.filters)})
+    env.add_filters({**env.filters, **filters})
     try:
         with _Deadline(limits.seconds):
             return env.compile_template(source)
@@ -193,12 +209,24 @@ class _Deadline:
 
 def _template_data(value: Any) -> Any:
     """The conversation as the plain data transformers hands its templates."""
+    if "transformers" not in sys.modules:
+        return plain_template_data(value)
     try:
         from transformers.utils import chat_template_utils as utils
     except ImportError:  # pragma: no cover
         return value
     plain = getattr(utils, "_plain_template_data", None)
     return value if plain is None else plain(value)
+
+
+def _alias_reasoning(chat: list[Any]) -> list[Any]:
+    if "transformers" not in sys.modules:
+        return alias_reasoning_fields(chat)
+    try:
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields
+    except ImportError:  # pragma: no cover - older transformers
+        return chat
+    return _alias_reasoning_fields(chat)
 
 
 def render_chat_template(
@@ -214,17 +242,11 @@ def render_chat_template(
     """`tokenizer.apply_chat_template(messages, tokenize=False, ...)` under `limits`.
 
     Raises ChatTemplateError (a ValueError) for a template that is not valid, raises an
-    exception itself, or runs past the time or size limit.
+    exception itself (or fails on the data it is given), or runs past the time or size limit.
     """
     source = tokenizer.get_chat_template(chat_template, kwargs.get("tools"))
     template = _compile(source, limits)
-    chat = _template_data([dict(m) for m in messages])
-    try:
-        from transformers.utils.chat_template_utils import _alias_reasoning_fields
-
-        chat = _alias_reasoning_fields(chat)
-    except ImportError:  # pragma: no cover - older transformers
-        pass
+    chat = _alias_reasoning(_template_data([dict(m) for m in messages]))
     context = {**tokenizer.special_tokens_map, **_template_data(kwargs)}
     context.setdefault("tools", None)
     context.setdefault("documents", None)
@@ -246,6 +268,10 @@ def render_chat_template(
         raise
     except TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed: {exc}") from None
+    except Exception as exc:
+        # Template code can fail like any code (`1 / 0`, `'a' + 1` on a message's content):
+        # that is the request's template or data at fault, so the caller's error, not a crash.
+        raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
     text = "".join(parts)
     return _cut_after_final_message(text, chat) if continue_final_message else text
 

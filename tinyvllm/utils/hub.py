@@ -18,4 +18,13 @@ HUB_ALLOW_PATTERNS: tuple[str, ...] = (
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    # Vision-language models: image / video preprocessing parameters.
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    # sentence-transformers: how an embedding model pools (modules.json, 1_Pooling/...).
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "*_Pooling/config.json",
+    "vocab.txt",
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from textual import on
@@ -48,6 +49,8 @@ class ChatScreen(Screen[None]):
         self._turn: tuple[str, UserMessage, AssistantMessage] | None = None
         self._ready = NO_MODEL  # the status line when nothing else is going on
         self._panel_chosen = False  # Ctrl+T was used: the width no longer decides
+        # Content parts `/image PATH` / `/video PATH` attached to the next message.
+        self.attached: list[dict[str, Any]] = []
 
     @property
     def tui(self) -> TinyVLLMApp:
@@ -161,6 +164,8 @@ class ChatScreen(Screen[None]):
             return
         text = event.text
         event.prompt.clear()
+        if self._attach_command(text):
+            return
         conversation = self.query_one(Conversation)
         user = await conversation.add_user(text)
         answer = await conversation.add_assistant()
@@ -169,11 +174,32 @@ class ChatScreen(Screen[None]):
         self.generating = True
         self._status("Answering… Esc stops.")
         self.post_message(ResponseStarted(text))
+        content: str | list[dict[str, Any]] = text
+        if self.attached:
+            content, self.attached = [*self.attached, {"type": "text", "text": text}], []
         self._worker = self.run_worker(
-            self._generate(self.session, text, answer), group="generate", exit_on_error=False
+            self._generate(self.session, content, answer), group="generate", exit_on_error=False
         )
 
-    async def _generate(self, session: ChatLike, text: str, answer: AssistantMessage) -> None:
+    def _attach_command(self, text: str) -> bool:
+        """`/image PATH` or `/video PATH` attaches a file to the next message (a
+        vision-language model takes it); True when `text` was such a command."""
+        command, _, arg = text.strip().partition(" ")
+        modality = {"/image": "image", "/video": "video"}.get(command.lower())
+        if modality is None:
+            return False
+        path = Path(arg.strip()).expanduser()
+        if not arg.strip() or not path.is_file():
+            self._status(f"/{modality} needs an existing file, got {arg.strip()!r}", error=True)
+            return True
+        part = f"{modality}_url"
+        self.attached.append({"type": part, part: {"url": str(path)}})
+        self._status(f"{modality} {path.name} attached to the next message")
+        return True
+
+    async def _generate(
+        self, session: ChatLike, text: str | list[dict[str, Any]], answer: AssistantMessage
+    ) -> None:
         try:
             # aclosing: a cancel (Esc) that lands while we render must still close the stream
             # now, so the session records the turn before stop_generation forgets it.
@@ -188,8 +214,8 @@ class ChatScreen(Screen[None]):
             self._end_turn()
             self._status(f"Generation failed: {error}", error=True)
             prompt = self.query_one(PromptInput)
-            if not prompt.text:
-                prompt.restore(text)  # the session took the turn back; let the user retry
+            if not prompt.text:  # the session took the turn back; let the user retry
+                prompt.restore(text if isinstance(text, str) else text[-1]["text"])
             self.post_message(ResponseFailed(error))
             return
         turn = session.last_turn

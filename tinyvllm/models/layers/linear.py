@@ -10,6 +10,7 @@ With a `QuantConfig` a layer keeps its weight packed in a `QuantizedWeight`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -85,11 +86,13 @@ class LinearBase(nn.Module):
             # An empty parameter that only routes checkpoint tensors by name to `qweight`.
             self.weight = new_parameter(0, loader=self.quantized_weight_loader)
         self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
-        # Optional fp32 copy for inputs of at least `gemm_min_rows` rows (see
-        # `attach_fp32_gemm_weights`); decode-sized inputs keep using the low-precision weight.
+        # Optional fp32 copy for inputs of at least `gemm_min_rows` rows, made on the first
+        # such input within `gemm_budget` (see `attach_fp32_gemm_weights`); decode-sized
+        # inputs keep using the low-precision weight.
         self.gemm_weight: torch.Tensor | None = None
         self.gemm_bias: torch.Tensor | None = None
         self.gemm_min_rows = 0
+        self.gemm_budget: Fp32CopyBudget | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
@@ -114,9 +117,21 @@ class LinearBase(nn.Module):
             return self.qweight.linear(x, self.bias)
         if self.native is not None and self.native.can_linear(x, self.weight):
             return self.native.linear(x, self.weight, self.bias)
-        if self.gemm_weight is not None and x.shape[0] >= self.gemm_min_rows:
+        if self.gemm_min_rows and x.shape[0] >= self.gemm_min_rows and self._fp32_copy():
             return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def _fp32_copy(self) -> bool:
+        """Whether the fp32 copy exists, making it now if the budget allows (once refused,
+        the layer stays on its own weight)."""
+        if self.gemm_weight is not None:
+            return True
+        if self.gemm_budget is None or not self.gemm_budget.take(self.weight.numel() * 4):
+            self.gemm_min_rows = 0
+            return False
+        self.gemm_weight = self.weight.detach().float()
+        self.gemm_bias = None if self.bias is None else self.bias.detach().float()
+        return True
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -205,16 +220,41 @@ class MergedColumnLinear(_ShardedLinear):
         self.output_sizes = list(output_sizes)
 
 
-def attach_fp32_gemm_weights(model: nn.Module, min_rows: int) -> int:
-    """Give every linear layer an fp32 copy of its weight for inputs with >= `min_rows` rows.
+@dataclass
+class Fp32CopyBudget:
+    """Bytes fp32 GEMM weight copies may still take (None: no limit), shared by every layer
+    of the models one platform runs."""
+
+    left: int | None = None
+    spent: int = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.left is not None:
+            if nbytes > self.left:
+                return False
+            self.left -= nbytes
+        self.spent += nbytes
+        return True
+
+
+def attach_fp32_gemm_weights(
+    model: nn.Module, min_rows: int, budget: Fp32CopyBudget | None = None
+) -> int:
+    """Let linear layers use an fp32 copy of their weight for inputs with >= `min_rows` rows.
 
     On CPUs without native bf16 matmul (AVX2 only), torch's batched bf16 GEMM runs several
     times slower than fp32, while a single-row bf16 GEMV is memory-bound and wins on bytes.
     Keeping both copies gives prefill and batched decode fp32 speed and batch-1 decode bf16
     bandwidth. Quantized layers are skipped: an fp32 copy would undo their memory saving
-    (their kernels pick a dense path for large batches themselves). Returns the extra bytes.
+    (their kernels pick a dense path for large batches themselves).
+
+    A copy is made on the layer's first input of `min_rows` rows or more, while `budget` has
+    room: memory goes only to layers whose GEMMs need it. With the native decode path only
+    prefill chunks reach these GEMMs, so a chat model's lm_head (one row per sequence) never
+    takes its copy. Returns the bytes the copies may take at most.
     """
-    extra = 0
+    budget = Fp32CopyBudget() if budget is None else budget
+    most = 0
     seen: set[int] = set()
     for module in model.modules():
         if not isinstance(module, LinearBase) or module.qweight is not None:
@@ -222,8 +262,7 @@ def attach_fp32_gemm_weights(model: nn.Module, min_rows: int) -> int:
         if id(module.weight) in seen:  # tied weights
             continue
         seen.add(id(module.weight))
-        module.gemm_weight = module.weight.detach().float()
-        module.gemm_bias = None if module.bias is None else module.bias.detach().float()
         module.gemm_min_rows = min_rows
-        extra += module.gemm_weight.numel() * 4
-    return extra
+        module.gemm_budget = budget
+        most += module.weight.numel() * 4
+    return most

@@ -263,3 +263,46 @@ class RotaryEmbedding(nn.Module):
             f"rope_type={self.rope_type}, head_dim={self.head_dim}, "
             f"rotary_dim={self.rotary_dim}, max_position={self.max_position}"
         )
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rope (Qwen2-VL / Qwen2.5-VL): positions [3, T] (time, height, width), and
+    the rotary frequencies split into `mrope_section` parts, part i rotated by section i's
+    position. Text tokens carry the same position in all three sections, which is plain rope.
+
+    cos/sin are computed per step from the positions (no table): a video's time positions
+    advance by tokens_per_second * seconds per frame group, so they are not bounded by the
+    context length. Same float32 product as HF's.
+    """
+
+    def __init__(self, rope: RopeConfig, mrope_section: list[int]) -> None:
+        super().__init__(rope, max_position=1)
+        half = self.rotary_dim // 2
+        if sum(mrope_section) != half or len(mrope_section) != 3:
+            raise ValueError(
+                f"mrope_section={mrope_section} must be three parts summing to rotary_dim / 2 "
+                f"= {half}"
+            )
+        inv_freq, self.attention_factor = compute_inv_freq(rope)
+        device = torch.get_default_device()
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        sections = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        self.register_buffer("section_of_freq", sections.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] (or [T] for text); q, k as in RotaryEmbedding."""
+        if positions.dim() == 1:
+            positions = positions.expand(3, -1)
+        cached = self._step_cache
+        if cached is not None and cached[0] is positions and cached[1].dtype == q.dtype:
+            cos, sin = cached[1], cached[2]
+        else:
+            # Frequency i turns with the position of its section.
+            freqs = positions[self.section_of_freq].T.float() * self.inv_freq  # [T, half]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * self.attention_factor).to(q.dtype).unsqueeze(1)
+            sin = (emb.sin() * self.attention_factor).to(q.dtype).unsqueeze(1)
+            self._step_cache = (positions, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

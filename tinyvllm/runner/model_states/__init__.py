@@ -1,27 +1,38 @@
 """Model states: what the runner does differently per model kind (see `interface.py`).
 
-`state_kind` (from the model registry) -> the ModelState class: "default" (text models),
-"mamba_hybrid" (recurrent state slots). Kinds planned next: "mrope" (video / image VLMs),
-"pooling" (encoder-only).
+`state_kind` (from the model registry) -> the ModelState class: "default" (1-D rope text
+models), "mrope" (Qwen-VL: M-RoPE positions, vision encoder outputs merged into the
+embeddings; with video_pruning_rate > 0 the EVS pruning state), "mamba_hybrid" (recurrent
+state slots). Kind planned next: "pooling" (encoder-only).
 """
 
 from __future__ import annotations
 
 from types import MappingProxyType
 
+import torch
+from torch import nn
+
 from tinyvllm.runner.model_states.default import DefaultModelState
 from tinyvllm.runner.model_states.interface import ModelInputs, ModelState
 from tinyvllm.runner.model_states.mamba_hybrid import MambaHybridModelState
+from tinyvllm.runner.model_states.mrope import MRopeModelState
+from tinyvllm.runner.model_states.video_pruning import VideoPruningModelState
 
 __all__ = [
     "DefaultModelState",
+    "MRopeModelState",
     "MambaHybridModelState",
     "ModelInputs",
     "ModelState",
+    "VideoPruningModelState",
+    "create_model_state",
     "model_state_class",
 ]
 
-_KINDS = MappingProxyType({"default": DefaultModelState, "mamba_hybrid": MambaHybridModelState})
+_KINDS = MappingProxyType(
+    {"default": DefaultModelState, "mamba_hybrid": MambaHybridModelState, "mrope": MRopeModelState}
+)
 
 
 def model_state_class(state_kind: str) -> type[ModelState]:
@@ -33,3 +44,18 @@ def model_state_class(state_kind: str) -> type[ModelState]:
             f"{', '.join(sorted(_KINDS))}"
         )
     return cls
+
+
+def create_model_state(
+    state_kind: str,
+    model: nn.Module,
+    max_num_reqs: int,
+    device: torch.device,
+    video_pruning_rate: float = 0.0,
+) -> ModelState:
+    """The runner's model state; an M-RoPE model with video_pruning_rate > 0 gets the EVS
+    pruning state (rate 0 is exactly the plain M-RoPE state)."""
+    cls = model_state_class(state_kind)
+    if cls is MRopeModelState and video_pruning_rate > 0:
+        return VideoPruningModelState(model, max_num_reqs, device, video_pruning_rate)
+    return cls(model, max_num_reqs, device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T] for 1-D rope; a state may use another layout (M-RoPE [3, T])
     attn_metadata: AttentionMetadata
+    # Token embeddings with encoder outputs merged in (set by a VLM state's pre_forward for
+    # steps that schedule media tokens); None: the model embeds input_ids itself.
+    inputs_embeds: torch.Tensor | None = None
 
 
 class ModelState(ABC):
@@ -45,6 +49,10 @@ class ModelState(ABC):
     The request hooks run once per request row change, the forward hooks once per step: keep
     them cheap (a text model's state does nothing in them).
     """
+
+    # Whether `positions` are the flat [T] token indices that the CUDA graph buffers and the
+    # native decode program take; a state with another layout runs the eager forward.
+    flat_positions: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, max_num_reqs: int, device: torch.device) -> None:
         self.model = model

@@ -1,0 +1,4 @@
+"""Multimodal inputs: media loading, Qwen-VL preprocessing and EVS video-token pruning.
+
+Torch-free except `evs` (it works on embeddings); none of it imports torchvision.
+"""
