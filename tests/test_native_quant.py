@@ -27,7 +27,7 @@ GT = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
 )
-QTYPES = [GT.Q4_0, GT.Q4_1, GT.Q8_0, GT.Q4_K, GT.Q6_K]
+QTYPES = [GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q8_0, GT.Q4_K, GT.Q6_K]
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,10 @@ def kernels() -> QuantKernels:
 
 
 def random_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> GGUFWeight:
-    """Q4_0/Q4_1/Q5_0/Q8_0 quantized from random floats by the gguf package; Q4_K/Q6_K
+    """Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 quantized from random floats by the gguf package; Q4_K/Q6_K
     random bytes (the package cannot quantize k-quants) with sane fp16 super-block scales."""
     rng = np.random.default_rng(seed)
-    if qtype in (GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q8_0):
+    if qtype in (GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0):
         w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
         data = torch.from_numpy(gguf.quants.quantize(w, qtype).copy())
         return GGUFWeight(data, int(qtype), (rows, cols))
@@ -161,6 +161,22 @@ def test_fused_shards_of_one_type_stack_their_blocks(kernels: QuantKernels) -> N
         assert_matches_fp32(layer(x), x, full, layer.bias)
 
 
+def test_fused_q5_0_q4_0_and_q8_0_shards_widen_to_q8_0(kernels: QuantKernels) -> None:
+    """llama.cpp's Q4_K_M gives q/k Q5_0 and v Q8_0 (Gemma 3 270M): the fused matrix is
+    re-encoded as Q8_0 without changing a value, so the native kernels still read it."""
+    layer = QKVLinear(256, 32, 4, 2, bias=False, quant_config=QuantConfig("gguf"))
+    bind_quant_kernels(layer, kernels)
+    shards = {s: random_blocks(n, 256, qtype, seed=i) for i, (s, n, qtype) in enumerate(
+        [("q", 128, GT.Q5_0), ("k", 64, GT.Q4_0), ("v", 64, GT.Q8_0)])}  # fmt: skip
+    for shard_id in ("q", "k", "v"):
+        layer.weight.weight_loader(layer.weight, shards[shard_id], shard_id)
+    assert layer.qweight is not None and layer.qweight.format == "gguf_blocks"
+    assert layer.qweight.native_weight is not None
+    assert layer.qweight.native_weight[0] == GGUF_FORMATS[GT.Q8_0]
+    full = torch.cat([reference(shards[s]) for s in ("q", "k", "v")])
+    assert torch.equal(layer.qweight.dequantize(), full)
+
+
 def test_fused_shards_of_mixed_types_fall_back(kernels: QuantKernels) -> None:
     layer = MergedColumnLinear(256, [64, 64], bias=False, quant_config=QuantConfig("gguf"))
     bind_quant_kernels(layer, kernels)
@@ -172,10 +188,11 @@ def test_fused_shards_of_mixed_types_fall_back(kernels: QuantKernels) -> None:
 
 def test_exact_tables_keep_blocks_or_file_floats(kernels: QuantKernels) -> None:
     """Embedding / lm_head under "gguf": Q8_0 stays blocks, a type the kernels do not read
-    (Q5_0) and float tables keep the file's values in the model dtype; never requantized."""
+    (Q5_1) and float tables keep the file's values in the model dtype; never requantized."""
     for loaded, fmt in [
         (random_blocks(100, 64, GT.Q8_0), "gguf_blocks"),
-        (random_blocks(100, 64, GT.Q5_0), "float"),
+        (random_blocks(100, 64, GT.Q5_0), "gguf_blocks"),
+        (random_blocks(100, 64, GT.Q5_1), "float"),
         (torch.randn(100, 64), "float"),
     ]:
         with torch.device("cpu"):

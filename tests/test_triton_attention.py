@@ -123,7 +123,7 @@ def test_random_batches_match_reference_and_torch(triton_attn: ModuleType, dtype
 
 
 @interpreted
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256, 4 query heads on 1 KV: Gemma 3 270M
 def test_large_head_dim_and_long_context(triton_attn: ModuleType, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     case = make_case(

@@ -50,6 +50,25 @@ def test_triton_greedy_matches_hf(tiny_models, engines: list[Any], family: str) 
     assert report.max_logprob_diff < 1e-3, report.summary()
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_triton_gemma3_greedy_matches_hf(
+    tmp_path, tokenizer_dir, engines: list[Any], enforce_eager: bool
+) -> None:
+    """Gemma 3: per-layer sliding windows (6, shorter than the prompts) and rope tables, the
+    embedding scale and soft-capped logits, eager and under CUDA graphs."""
+    from fixtures import build_tiny_checkpoint
+
+    from tinyvllm.parity import load_hf_reference, run_parity
+
+    path = str(build_tiny_checkpoint("gemma3", tmp_path / "gemma3", tokenizer_dir))
+    llm = make_llm(
+        engines, path, dtype="float32", attention_backend="triton", enforce_eager=enforce_eager
+    )
+    report = run_parity(llm, load_hf_reference(path), PROMPTS, 24)
+    assert report.identical, report.summary()
+    assert report.max_logprob_diff < 1e-3, report.summary()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_triton_matches_torch_backend_with_chunked_prefill(
     tiny_models, engines: list[Any], dtype: str

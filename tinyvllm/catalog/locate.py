@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.metadata
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,16 @@ from tinyvllm.catalog.entries import (
     package_file_problem,
     package_name_problem,
 )
+from tinyvllm.catalog.parts import (
+    PartsError,
+    assemble,
+    assembled_path,
+    chunk_files,
+    expected_sha256,
+)
 from tinyvllm.utils.dirs import hf_hub_cache, packages_dir
+
+logger = logging.getLogger(__name__)
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # A safetensors snapshot is usable when it has the config, a tokenizer and weights.
@@ -95,6 +105,8 @@ def _complete_checkpoint(folder: Path) -> bool:
 
 def locate_package(package: PackageSource) -> LocalModel | None:
     """The package's file from an installed distribution, else from tinyvllm's cache."""
+    if package.parts:
+        return _locate_parts(package)
     path = _installed_package_file(package)
     if path is not None:
         return LocalModel(_model_path(path), None, f"package {package.name}")
@@ -113,6 +125,21 @@ def locate_package(package: PackageSource) -> LocalModel | None:
 def _model_path(path: Path) -> str:
     """A GGUF file is the model; any other file names the model directory it sits in."""
     return str(path if path.suffix == ".gguf" else path.parent)
+
+
+def _locate_parts(package: PackageSource) -> LocalModel | None:
+    """A split file: already assembled in tinyvllm's cache, or assembled now from parts that
+    are on disk (installed, or in the cache) without the network."""
+    target = assembled_path(package)
+    if target.is_file():
+        return LocalModel(str(target), None, "tinyvllm cache")
+    if chunk_files(package) is None or expected_sha256(package) is None:
+        return None
+    try:
+        return LocalModel(str(assemble(package)), None, "tinyvllm cache")
+    except (PartsError, OSError) as exc:
+        logger.warning("cannot assemble %s from its parts: %s", package.file, exc)
+        return None
 
 
 def _installed_package_file(package: PackageSource) -> Path | None:

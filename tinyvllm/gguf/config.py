@@ -31,8 +31,18 @@ GGUF_ARCHITECTURES: Mapping[str, tuple[str, str]] = MappingProxyType(
         "llama": ("llama", "LlamaForCausalLM"),
         "qwen2": ("qwen2", "Qwen2ForCausalLM"),
         "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+        "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     }
 )
+_GGUF_NAME_OF_MODEL_TYPE = MappingProxyType({"gemma3_text": "gemma3"})
+
+# What llama.cpp assumes for Gemma 3 files that do not say: every 6th layer attends globally,
+# the sliding layers rotate with base 10000.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# Gemma 3 27B scales queries by (hidden / heads)^-0.5, the others by head_dim^-0.5 (llama.cpp
+# recognises the 27B by its layer count).
+_GEMMA3_27B_LAYERS = 62
 
 # GGUF architectures of models tinyvllm runs from safetensors but not (yet) from GGUF: their
 # recurrent-layer tensors have no mapping here.
@@ -68,7 +78,9 @@ HF_FIELD_KEYS: Mapping[str, str] = MappingProxyType(
 
 
 def hf_field_names(architecture: str) -> dict[str, str]:
-    """HF config field -> the full GGUF metadata key it came from, for messages."""
+    """HF config field -> the full GGUF metadata key it came from, for messages
+    (`architecture`: the GGUF one, or the transformers model_type it became)."""
+    architecture = _GGUF_NAME_OF_MODEL_TYPE.get(architecture, architecture)
     return {field: f"{architecture}.{key}" for field, key in HF_FIELD_KEYS.items()}
 
 
@@ -259,7 +271,9 @@ def gguf_to_hf_config(gf: GGUFFile) -> Any:
         kwargs[f"{key}_token_id"] = token_id
     if model_type == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in gf.tensors
-    if kwargs["rope_scaling"] is None:
+    if gf.architecture == "gemma3":
+        _gemma3_fields(gf, kwargs)
+    if "rope_scaling" in kwargs and kwargs["rope_scaling"] is None:  # gemma3 moved it
         del kwargs["rope_scaling"]
     try:
         return _config_class(model_type)(**kwargs)
@@ -269,6 +283,48 @@ def gguf_to_hf_config(gf: GGUFFile) -> Any:
             f"GGUF file {gf.path.name!r}: its metadata is not a valid {model_type} config "
             f"({detail})"
         ) from None
+
+
+def _gemma3_fields(gf: GGUFFile, kwargs: dict[str, Any]) -> None:
+    """Gemma 3's config fields, with llama.cpp's defaults where the file is silent: the
+    sliding pattern, the local rope base, the query scale and the soft-caps."""
+    layers, theta = kwargs["num_hidden_layers"], kwargs.pop("rope_theta")
+    scaling = kwargs.pop("rope_scaling") or {}
+    kwargs.pop("hidden_act")
+    kwargs["hidden_activation"] = "gelu_pytorch_tanh"
+    kwargs["sliding_window"] = _int(gf, "attention.sliding_window", 4096)
+    kwargs["layer_types"] = _gemma3_layer_types(gf, layers)
+    kwargs["rope_parameters"] = {
+        "sliding_attention": {
+            "rope_type": "default",
+            "rope_theta": _float(gf, "rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE),
+        },
+        "full_attention": {"rope_type": "default", **scaling, "rope_theta": theta},
+    }
+    heads, hidden = kwargs["num_attention_heads"], kwargs["hidden_size"]
+    kwargs["query_pre_attn_scalar"] = (
+        hidden // heads if layers == _GEMMA3_27B_LAYERS else kwargs["head_dim"]
+    )
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        value = _float(gf, key, 0.0)
+        kwargs[key] = value or None
+
+
+def _gemma3_layer_types(gf: GGUFFile, layers: int) -> list[str]:
+    """`attention.sliding_window_pattern`: a period (every n-th layer is global) or one flag
+    per layer (true or 1: sliding; converters write bools or ints); without it llama.cpp's
+    period of 6."""
+    pattern = gf.arch_value("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(p in (0, 1) for p in pattern):
+            raise _bad(
+                gf, "attention.sliding_window_pattern", f"must be {layers} flags (0 / 1)", pattern
+            )
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = _int(gf, "attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        sliding = [(i + 1) % period != 0 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _block_count(gf: GGUFFile) -> int:

@@ -37,7 +37,9 @@ _FORMATS: Mapping[int, tuple[str, int, int]] = MappingProxyType(
     }
 )
 
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K = 2, 3, 6, 8, 12
+# Formats whose every value w = d * q is exactly a Q8_0 value with the same d (`to_q8_0`).
+Q8_0_SUBSETS = frozenset({Q4_0, Q5_0, Q8_0})
 
 
 def qtype_name(qtype: int) -> str:
@@ -184,6 +186,23 @@ def q8_blocks(
     blocks = _blocks(data, qtype, shape)
     q = blocks[:, 2:].contiguous().view(torch.int8)
     return q.reshape(rows, cols), _f16(blocks, 0).reshape(rows, cols // 32)
+
+
+def to_q8_0(data: torch.Tensor, qtype: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Q4_0 / Q5_0 / Q8_0 blocks re-encoded losslessly as Q8_0 (same fp16 d, q - 8 or q - 16
+    as int8): uint8 [rows, cols / 32 * 34]. Lets fused shards of those types (llama.cpp
+    mixes Q5_0 q/k with a Q8_0 v) share one block format."""
+    if qtype not in Q8_0_SUBSETS:
+        raise ValueError(f"to_q8_0 takes Q4_0, Q5_0 or Q8_0, not {qtype_name(qtype)}")
+    rows = shape[0]
+    blocks = _blocks(data, qtype, shape)
+    if qtype == Q8_0:
+        return blocks.reshape(rows, -1)
+    if qtype == Q4_0:
+        q = _nibbles(blocks[:, 2:]).to(torch.int16) - 8
+    else:
+        q = (_nibbles(blocks[:, 6:]) | (_le_bits(blocks[:, 2:6]) << 4)).to(torch.int16) - 16
+    return torch.cat([blocks[:, :2], q.to(torch.int8).view(torch.uint8)], dim=1).reshape(rows, -1)
 
 
 # --- per-format dequantization ([num_blocks, bytes] -> [num_blocks, elems]) -------------

@@ -41,6 +41,22 @@ _LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
         "ffn_down": "mlp.down_proj",
     }
 )
+# Where an architecture's layer tensors differ: Gemma 3 normalises before and after both
+# attention and MLP, and llama.cpp's `ffn_norm` is its pre-MLP norm.
+_ARCH_LAYER_TENSORS: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {
+        "gemma3": MappingProxyType(
+            {
+                "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm",
+            }
+        )
+    }
+)
+# llama.cpp's converter stores Gemma's (1 + w) norm scales with the 1 added; HF names carry
+# HF's values, so the 1 comes off again (the model adds it back at load).
+_NORM_OFFSET_ARCHITECTURES = frozenset({"gemma3"})
 # Folded into the config (Llama 3 rope scaling), not a parameter.
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 # ggml type ids stored as plain floats.
@@ -50,16 +66,18 @@ _FLOAT_TYPES: Mapping[int, torch.dtype] = MappingProxyType(
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 
-def hf_tensor_name(name: str) -> str | None:
-    """The HF checkpoint name of a GGUF tensor name, or None if it is not a model tensor."""
+def hf_tensor_name(name: str, architecture: str = "llama") -> str | None:
+    """The HF checkpoint name of a GGUF tensor name of a file of `architecture`, or None if
+    it is not a model tensor."""
     stem, dot, suffix = name.rpartition(".")
     if not dot or suffix not in ("weight", "bias"):
         return None
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    layer_tensors = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(architecture, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
     return None
 
 
@@ -101,7 +119,7 @@ def iter_gguf_weights(
     for name, info in gf.tensors.items():
         if name in _CONFIG_TENSORS:
             continue
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, gf.architecture)
         if hf_name is None:
             raise ValueError(
                 f"GGUF tensor {name!r} has no counterpart in {gf.architecture} models "
@@ -118,6 +136,8 @@ def iter_gguf_weights(
         index = None if heads is None else unpermute_rows(heads, info.shape[0]).to(device)
         if info.qtype in _FLOAT_TYPES:
             tensor = raw.view(_FLOAT_TYPES[info.qtype]).view(info.shape)
+            if gf.architecture in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):
+                tensor = tensor.float() - 1.0
         elif len(info.shape) == 2 and keep_quantized:
             shape = (info.shape[0], info.shape[1])
             weight = GGUFWeight(data=raw, qtype=info.qtype, shape=shape)

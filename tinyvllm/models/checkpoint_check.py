@@ -75,7 +75,7 @@ def read_tensor_directory(path: Path, weight_files: list[Path] | None = None) ->
         gf = read_gguf(path)
         shapes = {}
         for name, info in gf.tensors.items():
-            hf_name = hf_tensor_name(name)
+            hf_name = hf_tensor_name(name, gf.architecture)
             if hf_name is not None:
                 shapes[hf_name] = info.shape
         return TensorDirectory(f"GGUF file {str(path)!r}", shapes, hf_field_names(gf.architecture))

@@ -80,6 +80,10 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         quant_config: QuantConfig | None = None,
+        *,
+        scale: float | None = None,
+        norm_class: type[RMSNorm] = RMSNorm,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
@@ -98,16 +102,17 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if options.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.q_norm = norm_class(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = norm_class(head_dim, eps=config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(
             layer_idx,
             num_heads,
             num_kv_heads,
             head_dim,
-            scale=head_dim**-0.5,
+            scale=head_dim**-0.5 if scale is None else scale,
             sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +167,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config, quant_config)
 
+    def input_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed input, residual stream): the previous layer's residual add is fused into
+        this norm; the first layer has none yet."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -169,12 +183,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add is fused into the following norm; the first layer has none yet.
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_norm(hidden, residual)
         hidden = self.self_attn(positions, hidden, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -207,6 +216,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Multiplies the embedding rows (Gemma: sqrt(hidden_size)); 1.0 is no scaling.
+    embed_scale: float = 1.0
+
     def __init__(
         self,
         config: Any,
@@ -229,6 +241,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -236,7 +251,7 @@ class LlamaModel(nn.Module):
         metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
@@ -251,6 +266,8 @@ class LlamaForCausalLM(nn.Module):
     embedding and lm_head (None: float weights in the default dtype)."""
 
     options: ClassVar[FamilyOptions] = FamilyOptions()
+    # The decoder stack (a subclass with other layers keeps this class's head and loading).
+    model_class: ClassVar[type[nn.Module]] = LlamaModel
 
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
@@ -280,9 +297,10 @@ class LlamaForCausalLM(nn.Module):
     def build_language_model(
         self, config: Any, max_model_len: int, quant_config: QuantConfig | None
     ) -> nn.Module:
-        """The decoder stack (a subclass with another position scheme or other layers builds
-        its own, reusing this class's head and loading); it must expose `embed_tokens`."""
-        return LlamaModel(config, max_model_len, self.options, quant_config)
+        """The decoder stack: `model_class` (a subclass with another position scheme or other
+        layers builds its own, reusing this class's head and loading); it must expose
+        `embed_tokens`."""
+        return self.model_class(config, max_model_len, self.options, quant_config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -320,6 +338,8 @@ class LlamaForCausalLM(nn.Module):
             intermediate_size=first.mlp.down_proj.input_size,
             eps=eps.pop(),
             scale=attn.scale,
+            embed_scale=inner.embed_scale,
+            activation=first.mlp.act.name,
         )
 
     def _ignored_checkpoint_tensor(self, name: str) -> bool:

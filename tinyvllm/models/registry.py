@@ -39,6 +39,7 @@ _GENERATE = ("generate",)
 _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
         "BertModel": ModelEntry(_BERT, "BertModel", runners=("pooling",)),
+        "Gemma3ForCausalLM": ModelEntry("tinyvllm.models.gemma3", "Gemma3ForCausalLM"),
         "GraniteMoeHybridForCausalLM": ModelEntry(
             "tinyvllm.models.granite_moe_hybrid",
             "GraniteMoeHybridForCausalLM",

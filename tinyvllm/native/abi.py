@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -30,18 +30,30 @@ FORMAT_Q4_1 = 3
 FORMAT_Q8_0 = 4
 FORMAT_Q4_K = 5
 FORMAT_Q6_K = 6
+FORMAT_Q5_0 = 7
 
 DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(
     {torch.float32: FORMAT_F32, torch.bfloat16: FORMAT_BF16}
 )
 # ggml type id -> format code, for the block types the kernels read.
 GGUF_FORMATS: Mapping[int, int] = MappingProxyType(
-    {2: FORMAT_Q4_0, 3: FORMAT_Q4_1, 8: FORMAT_Q8_0, 12: FORMAT_Q4_K, 14: FORMAT_Q6_K}
+    {
+        2: FORMAT_Q4_0,
+        3: FORMAT_Q4_1,
+        6: FORMAT_Q5_0,
+        8: FORMAT_Q8_0,
+        12: FORMAT_Q4_K,
+        14: FORMAT_Q6_K,
+    }
 )
 
 # Query heads per KV head up to which the native attention runs (NativeCpuAttentionBackend and
 # the decode program send larger groups elsewhere).
 MAX_QUERIES_PER_KV = 64
+
+# TvModel.act: the MLP's gate activation.
+ACT_SILU = 0
+ACT_GELU_TANH = 1
 
 # What the functions returning int report (llama_decode.cpp kOk / kErrWorkspace).
 STATUS_OK = 0
@@ -70,6 +82,10 @@ class TvLayer(Structure):
         ("o_fmt", c_int),
         ("gate_up_fmt", c_int),
         ("down_fmt", c_int),
+        ("pre_ff_norm", c_void_p),
+        ("post_ff_norm", c_void_p),
+        ("cos_c", c_void_p),
+        ("sin_c", c_void_p),
     ]
 
 
@@ -97,6 +113,8 @@ class TvModel(Structure):
         ("sin_c", c_void_p),
         ("layers", POINTER(TvLayer)),
         ("embed_fmt", c_int),
+        ("act", c_int),
+        ("embed_scale", c_float),
         ("workspace", c_void_p),
         ("workspace_bytes", c_int64),
     ]
@@ -114,6 +132,7 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_linear": (None, _LINEAR),
         "tv_rms_norm": (None, (_P, _P, _P, _P, _I, _L, _L, _F)),
         "tv_silu_mul": (None, (_P, _P, _I, _L, _L)),
+        "tv_gelu_tanh_mul": (None, (_P, _P, _I, _L, _L)),
         "tv_rope": (None, (_P, _L, _L, _P, _L, _L, _I, _L, _L, _L, _P, _P, _P)),
         "tv_store_kv": (None, (_P, _L, _P, _L, _L, _L, _I, _P, _P, _P)),
         "tv_paged_decode": (

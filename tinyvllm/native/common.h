@@ -13,7 +13,7 @@
 
 // The ABI this source tree exports (tinyvllm/native/abi.py declares it for ctypes: signatures,
 // struct layouts, codes). Bump both together on any change the Python side must follow.
-#define TV_ABI_VERSION 2
+#define TV_ABI_VERSION 3
 
 namespace tv {
 
@@ -111,6 +111,7 @@ void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, i
 void tv_rms_norm(const void* x, void* residual, const void* weight, void* out, int dt,
                  int64_t T, int64_t H, float eps);
 void tv_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D);
+void tv_gelu_tanh_mul(const void* x, void* out, int dt, int64_t T, int64_t D);
 void tv_rope(void* q, int64_t q_stride, int64_t hq, void* k, int64_t k_stride, int64_t hkv,
              int dt, int64_t T, int64_t head_dim, int64_t rot, const int64_t* positions,
              const float* cos_c, const float* sin_c);

@@ -223,6 +223,19 @@ void tv_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D) {
     }
 }
 
+// out[t, i] = gelu_tanh(x[t, i]) * x[t, D + i] (Gemma's gelu_pytorch_tanh), rounding after
+// the gelu as eager does.
+void tv_gelu_tanh_mul(const void* x, void* out, int dt, int64_t T, int64_t D) {
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < D; ++i) {
+      float g = load(x, t * 2 * D + i, dt);
+      float u = load(x, t * 2 * D + D + i, dt);
+      float s = as_dtype(0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g))), dt);
+      store(out, t * D + i, s * u, dt);
+    }
+}
+
 // In-place neox rotary on the first `rot` dims of every head of q and k (rows of stride
 // q_stride / k_stride elements). cos/sin: fp32 [max_pos, rot], rounded to the dtype first
 // and every product rounded, exactly as the eager rotation computes in bf16.

@@ -35,7 +35,12 @@ class NativeMatrix:
 @dataclass(frozen=True)
 class DecodeLayerPlan:
     """One pre-norm decoder layer: attention (fused qkv, optional per-head q/k norms, rope,
-    paged KV) then a gated MLP (fused gate/up, SiLU, down)."""
+    paged KV) then a gated MLP (fused gate/up, activation, down).
+
+    With `pre_feedforward_norm` (Gemma) `post_attention_norm` normalises the attention output
+    before the residual add, `pre_feedforward_norm` the sum, and `post_feedforward_norm` the
+    MLP output; without it `post_attention_norm` normalises the sum (Llama). A layer's own
+    cos/sin tables override the model's (Gemma's local rope base on sliding layers)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -47,12 +52,16 @@ class DecodeLayerPlan:
     k_norm: torch.Tensor | None
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     sliding_window: int  # 0: full attention
+    pre_feedforward_norm: torch.Tensor | None = None
+    post_feedforward_norm: torch.Tensor | None = None
+    cos_cache: torch.Tensor | None = None
+    sin_cache: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """A whole Llama-family model: embedding, layers, final norm and the shapes they share
-    (every RMSNorm uses `eps`)."""
+    """A whole Llama-family (or Gemma) model: embedding, layers, final norm and the shapes
+    they share (every RMSNorm uses `eps`)."""
 
     dtype: torch.dtype
     embed: NativeMatrix
@@ -67,3 +76,5 @@ class DecodePlan:
     intermediate_size: int
     eps: float
     scale: float
+    embed_scale: float = 1.0  # multiplies the embedding rows, rounded to `dtype` (Gemma)
+    activation: str = "silu"  # or "gelu_tanh"

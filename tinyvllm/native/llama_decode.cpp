@@ -4,6 +4,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <utility>
+
 #include "common.h"
 
 using namespace tv;
@@ -30,6 +32,12 @@ struct TvLayer {
   void* kv_cache;  // [2][num_blocks][block_size][hkv][head_dim]
   int64_t window;  // sliding window, 0 = full attention
   int qkv_fmt, o_fmt, gate_up_fmt, down_fmt;  // weight format codes (quant_kernels.cpp)
+  // Gemma's sandwich norms (null for Llama): with pre_ff_norm, post_norm normalises the
+  // attention output before the residual add and pre_ff_norm the sum; post_ff_norm the MLP's.
+  const void* pre_ff_norm;
+  const void* post_ff_norm;
+  const float* cos_c;  // this layer's rope tables (null: the model's)
+  const float* sin_c;
 };
 
 struct TvModel {
@@ -43,6 +51,8 @@ struct TvModel {
   const float* sin_c;
   const TvLayer* layers;
   int embed_fmt;
+  int act;            // MLP gate activation: 0 SiLU, 1 GeLU-tanh
+  float embed_scale;  // embedding rows times this, rounded to dt (Gemma); 1: none
   void* workspace;  // tv_llama_workspace_bytes(B) bytes or more, owned by the caller
   int64_t workspace_bytes;
 };
@@ -121,6 +131,11 @@ int tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input
     tok_len[b] = static_cast<int32_t>(positions[b] + 1);
   }
   tv_embedding_any(m->embed, m->embed_fmt, input_ids, B, H, residual, dt);
+  if (m->embed_scale != 1.0f) {
+    // As HF: the scale rounded to the dtype first, then one rounded product.
+    const float scale = as_dtype(m->embed_scale, dt);
+    for (int64_t i = 0; i < B * H; ++i) store(residual, i, load(residual, i, dt) * scale, dt);
+  }
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const TvLayer& L = m->layers[l];
     // The first layer's residual is the embedding itself: normalise without the add.
@@ -134,7 +149,8 @@ int tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input
     char* v = k + kvs * elem;
     if (L.q_norm) tv_head_norm(q, W, m->hq, D, L.q_norm, dt, B, m->eps);
     if (L.k_norm) tv_head_norm(k, W, m->hkv, D, L.k_norm, dt, B, m->eps);
-    tv_rope(q, W, m->hq, k, W, m->hkv, dt, B, D, m->rot, positions, m->cos_c, m->sin_c);
+    tv_rope(q, W, m->hq, k, W, m->hkv, dt, B, D, m->rot, positions,
+            L.cos_c ? L.cos_c : m->cos_c, L.sin_c ? L.sin_c : m->sin_c);
     char* cache = static_cast<char*>(L.kv_cache);
     const int64_t half = m->num_blocks * m->block_size * kvs * elem;
     tv_store_kv(k, W, v, W, B, kvs, static_cast<int>(elem), cache, cache + half, slots);
@@ -143,11 +159,24 @@ int tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input
                     m->num_blocks, m->block_size, m->hq, m->hkv, D, m->scale, L.window, 0.0f,
                     nt);
     tv_linear_any(attn, dt, L.o_w, L.o_fmt, L.o_b, dt, hidden, B, H, qs, nt);
-    tv_rms_norm(hidden, residual, L.post_norm, normed, dt, B, H, m->eps);
+    if (L.pre_ff_norm) {
+      tv_rms_norm(hidden, nullptr, L.post_norm, normed, dt, B, H, m->eps);
+      tv_rms_norm(normed, residual, L.pre_ff_norm, hidden, dt, B, H, m->eps);
+      std::swap(hidden, normed);  // normed: the MLP input; hidden: free for its output
+    } else {
+      tv_rms_norm(hidden, residual, L.post_norm, normed, dt, B, H, m->eps);
+    }
     tv_linear_any(normed, dt, L.gate_up_w, L.gate_up_fmt, L.gate_up_b, dt, gate_up, B,
                   2 * m->inter, H, nt);
-    tv_silu_mul(gate_up, act, dt, B, m->inter);
+    if (m->act == 1)
+      tv_gelu_tanh_mul(gate_up, act, dt, B, m->inter);
+    else
+      tv_silu_mul(gate_up, act, dt, B, m->inter);
     tv_linear_any(act, dt, L.down_w, L.down_fmt, L.down_b, dt, hidden, B, H, m->inter, nt);
+    if (L.post_ff_norm) {
+      tv_rms_norm(hidden, nullptr, L.post_ff_norm, normed, dt, B, H, m->eps);
+      std::swap(hidden, normed);
+    }
   }
   tv_rms_norm(hidden, residual, m->final_norm, hidden_out, dt, B, H, m->eps);
   return kOk;

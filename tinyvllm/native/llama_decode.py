@@ -16,6 +16,8 @@ import ctypes
 import torch
 
 from tinyvllm.native.abi import (
+    ACT_GELU_TANH,
+    ACT_SILU,
     FORMAT_BF16,
     MAX_QUERIES_PER_KV,
     STATUS_OK,
@@ -26,6 +28,8 @@ from tinyvllm.native.abi import (
 )
 from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan, NativeMatrix
 from tinyvllm.native.ops import NativeCpuOps, max_linear_rows
+
+_ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
 
 
 class _Unsupported(Exception):
@@ -40,10 +44,11 @@ class _Binder:
         self.dtype = dtype
         self.keep: list[torch.Tensor] = []
 
-    def tensor(self, t: torch.Tensor | None) -> int | None:
+    def tensor(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int | None:
+        """A tensor in the plan's dtype (or `dtype`: float32 for the rope tables)."""
         if t is None:
             return None
-        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+        if t.dtype != (dtype or self.dtype) or not t.is_contiguous() or t.device.type != "cpu":
             raise _Unsupported
         self.keep.append(t)
         return t.data_ptr()
@@ -80,12 +85,15 @@ class _Binder:
             o[1],
             gate_up[1],
             down[1],
+            self.tensor(plan.pre_feedforward_norm),
+            self.tensor(plan.post_feedforward_norm),
+            self.tensor(plan.cos_cache, torch.float32),
+            self.tensor(plan.sin_cache, torch.float32),
         )
 
     def model(self, plan: DecodePlan, dt: int, num_threads: int, layers: ctypes.Array) -> TvModel:
         kv = plan.layers[0].kv_cache
         embed_ptr, embed_fmt = self.matrix(plan.embed)
-        self.keep += [plan.cos_cache, plan.sin_cache]
         return TvModel(
             dt,
             num_threads,
@@ -102,10 +110,12 @@ class _Binder:
             plan.scale,
             embed_ptr,
             self.tensor(plan.final_norm),
-            plan.cos_cache.data_ptr(),
-            plan.sin_cache.data_ptr(),
+            self.tensor(plan.cos_cache, torch.float32),
+            self.tensor(plan.sin_cache, torch.float32),
             layers,
             embed_fmt,
+            _ACTIVATIONS[plan.activation],
+            plan.embed_scale,
             None,
             0,
         )
@@ -134,6 +144,11 @@ class LlamaDecodeProgram:
             return None
         if any(layer.kv_cache.dtype != plan.dtype for layer in plan.layers):
             return None
+        if plan.activation not in _ACTIVATIONS:
+            return None
+        tables = [t for layer in plan.layers for t in (layer.cos_cache, layer.sin_cache)]
+        if any(t is not None and t.shape != plan.cos_cache.shape for t in tables):
+            return None  # every rope table must cover the same positions and rotary dims
         binder = _Binder(plan.dtype)
         try:
             layers = (TvLayer * len(plan.layers))(*map(binder.layer, plan.layers))

@@ -8,6 +8,7 @@ Each method takes and returns torch tensors and checks only what the kernels ass
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -110,11 +111,17 @@ class NativeCpuOps:
             _DTYPE_CODES[x.dtype], x.shape[0], eps,
         )  # fmt: skip
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def _gated(self, fn: Any, x: torch.Tensor) -> torch.Tensor:
         t, d2 = x.shape
         out = torch.empty((t, d2 // 2), dtype=x.dtype)
-        self.lib.tv_silu_mul(x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], t, d2 // 2)
+        fn(x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], t, d2 // 2)
         return out
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated(self.lib.tv_silu_mul, x)
+
+    def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated(self.lib.tv_gelu_tanh_mul, x)
 
     def rope_(
         self,

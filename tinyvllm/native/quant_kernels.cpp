@@ -17,6 +17,8 @@
 //              128 bytes of nibbles; w = d * sc * q - dmin * mn per 32)
 //   6 = Q6_K  (210-byte super-blocks of 256: 128 bytes low nibbles, 64 bytes high 2 bits,
 //              16 int8 scales, fp16 d; w = d * sc * (q - 32) per 16)
+//   7 = Q5_0  (22-byte blocks of 32: fp16 d, 32 high bits, 16 bytes of nibbles;
+//              w = d * (q - 16))
 // A GGUF row of K weights is K / block_elems consecutive blocks; rows follow each other.
 // Activation / output dtype codes as in cpu_kernels.cpp: 0 = float32, 1 = bfloat16.
 
@@ -31,7 +33,9 @@ namespace {
 
 using namespace tv;
 
-enum Format { kF32 = 0, kBF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 4, kQ4_K = 5, kQ6_K = 6 };
+enum Format {
+  kF32 = 0, kBF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 4, kQ4_K = 5, kQ6_K = 6, kQ5_0 = 7
+};
 
 // Input rows per pass over the weight: all of them share each decoded weight vector.
 constexpr int kMaxRows = 8;
@@ -56,6 +60,16 @@ inline __m256 nib(__m256 bytes, int shift) {
   const __m256i v = _mm256_castps_si256(bytes);
   return _mm256_cvtepi32_ps(shift ? _mm256_srli_epi32(v, 4)
                                   : _mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+}
+
+// Q5_0: (nibble | bit << 4) - 16 for 8 elements whose high bits are the low 8 of `bits`.
+inline __m256 nib5(__m256 bytes, int shift, uint32_t bits) {
+  const __m256i high = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits & 0xFF)),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+      _mm256_set1_epi32(1));
+  const __m256 hi16 = _mm256_cvtepi32_ps(_mm256_slli_epi32(high, 4));
+  return _mm256_sub_ps(_mm256_add_ps(nib(bytes, shift), hi16), _mm256_set1_ps(16.0f));
 }
 
 // Two fp16 fields at p (d, then m) -> [d, m, 0, 0].
@@ -139,6 +153,19 @@ struct Q4_1Fmt {
     const __m256 lo = u8x8(blk + 4), hi = u8x8(blk + 12);
     q[0] = nib(lo, 0), q[1] = nib(hi, 0), q[2] = nib(lo, 4), q[3] = nib(hi, 4);
     return fp16x2(blk);
+  }
+};
+
+struct Q5_0Fmt {  // q - 16 in [-16, 15], so w = d * q with no min (dequant.py's order)
+  const uint8_t* row;
+  __m128 group(int64_t g, __m256 q[4]) const {
+    const uint8_t* blk = row + 22 * g;
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m256 lo = u8x8(blk + 6), hi = u8x8(blk + 14);  // byte j: element j | j + 16
+    q[0] = nib5(lo, 0, qh), q[1] = nib5(hi, 0, qh >> 8);
+    q[2] = nib5(lo, 4, qh >> 16), q[3] = nib5(hi, 4, qh >> 24);
+    return fp16x1(blk);
   }
 };
 
@@ -277,15 +304,16 @@ RowsFn rows_for(int fmt, int M) {
     case kQ4_1: return rows_for_m<Q4_1Fmt>(M);
     case kQ8_0: return rows_for_m<Q8_0Fmt>(M);
     case kQ4_K: return rows_for_m<Q4_KFmt>(M);
+    case kQ5_0: return rows_for_m<Q5_0Fmt>(M);
     default: return rows_for_m<Q6_KFmt>(M);
   }
 }
 
 // (elements, bytes) per block; 0 elements for codes that are not GGUF blocks.
 void block_layout(int fmt, int64_t* elems, int64_t* bytes) {
-  static const int64_t table[][2] = {{0, 0}, {0, 0}, {32, 18}, {32, 20}, {32, 34}, {256, 144},
-                                     {256, 210}};
-  const bool ok = fmt >= kQ4_0 && fmt <= kQ6_K;
+  static const int64_t table[][2] = {{0, 0},     {0, 0},     {32, 18},   {32, 20},
+                                     {32, 34},   {256, 144}, {256, 210}, {32, 22}};
+  const bool ok = fmt >= kQ4_0 && fmt <= kQ5_0;
   *elems = ok ? table[fmt][0] : 0;
   *bytes = ok ? table[fmt][1] : 0;
 }
@@ -313,6 +341,7 @@ void dequant_row(int fmt, const uint8_t* row, int64_t K, float* out) {
     case kQ4_0: return dequant_groups<Q4_0Fmt, true>(row, K, out);
     case kQ4_1: return dequant_groups<Q4_1Fmt, true>(row, K, out);
     case kQ8_0: return dequant_groups<Q8_0Fmt, false>(row, K, out);
+    case kQ5_0: return dequant_groups<Q5_0Fmt, false>(row, K, out);
     case kQ4_K: return dequant_groups<Q4_KFmt, true>(row, K, out);
     case kQ6_K:  // (d * scale) * q per 16, the reference's order (Q6_KFmt folds differently)
       for (int64_t b = 0; b < K / 256; ++b) {
@@ -336,7 +365,7 @@ void dequant_row(int fmt, const uint8_t* row, int64_t K, float* out) {
 
 extern "C" {
 
-// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a GGUF block matrix w (codes 2..6), any
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a GGUF block matrix w (codes 2..7), any
 // M (passes of up to 8 rows); x, out contiguous [M][K] / [M][N] in x_dt. K must be a whole
 // number of blocks.
 void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
@@ -389,7 +418,7 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
 }
 
 // The one entry the decode program calls for any weight: dense rows (codes 0, 1) go to
-// tv_linear, GGUF blocks (codes 2..6) to tv_linear_blocks. Same contract as tv_linear.
+// tv_linear, GGUF blocks (codes 2..7) to tv_linear_blocks. Same contract as tv_linear.
 void tv_linear_any(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
                    int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads) {
   if (w_fmt == kF32 || w_fmt == kBF16)

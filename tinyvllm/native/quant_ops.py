@@ -1,7 +1,7 @@
 """Typed Python faces of the GGUF block kernels (see quant_kernels.cpp).
 
 A weight is described to the kernels by a format code and a pointer: dense float rows (codes 0
-and 1) or a GGUF block matrix kept exactly as the file stores it (codes 2..6). `linear` runs the
+and 1) or a GGUF block matrix kept exactly as the file stores it (codes 2..7). `linear` runs the
 native GEMV for decode-sized batches and, for larger ones, dequantizes slabs of rows to fp32
 for a GEMM; `embedding` dequantizes looked-up rows only.
 """

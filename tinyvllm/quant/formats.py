@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyvllm.gguf.dequant import Q8_0, Q8_0_SUBSETS, qtype_name, to_q8_0
 from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
-from tinyvllm.gguf.dequant import qtype_name
 from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.native.abi import GGUF_FORMATS, format_code
 from tinyvllm.native.ops import max_linear_rows
@@ -137,18 +137,22 @@ class GGUFBlocks(PackedWeight):
 
     @classmethod
     def fits(cls, shards: Sequence[Shard], spec: WeightSpec) -> bool:
-        """GGUF shards of one type the native kernels read, on a CPU where they load."""
+        """GGUF shards of one type the native kernels read, or of types that widen to
+        Q8_0 without loss, on a CPU where the kernels load."""
         if spec.config.method != "gguf" or spec.device.type != "cpu" or spec.kernels is None:
             return False
         qtypes = {shard.qtype if isinstance(shard, GGUFWeight) else None for shard in shards}
-        return len(qtypes) == 1 and qtypes.pop() in GGUF_FORMATS
+        return (len(qtypes) == 1 and qtypes <= GGUF_FORMATS.keys()) or qtypes <= Q8_0_SUBSETS
 
     @classmethod
     def pack(cls, shards: Sequence[Shard], spec: WeightSpec) -> PackedWeight:
         blocks = [shard for shard in shards if isinstance(shard, GGUFWeight)]
-        # One contiguous copy (fused shards stacked by rows): nothing points into the file.
-        data = torch.cat([shard.data.reshape(shard.shape[0], -1) for shard in blocks])
-        return cls(spec, data, blocks[0].qtype)
+        if len({shard.qtype for shard in blocks}) == 1:
+            # One contiguous copy (fused shards stacked by rows): nothing points into the file.
+            data = torch.cat([shard.data.reshape(shard.shape[0], -1) for shard in blocks])
+            return cls(spec, data, blocks[0].qtype)
+        data = torch.cat([to_q8_0(shard.data, shard.qtype, shard.shape) for shard in blocks])
+        return cls(spec, data, Q8_0)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _native_linear(self.kernels, self.code, self.qweight, x, bias)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyvllm.models.layers.linear import new_parameter
+from tinyvllm.models.layers.linear import default_weight_loader, new_parameter
 from tinyvllm.native.ops import NativeCpuOps, elementwise_rows_fit
 
 
@@ -55,3 +55,19 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, which scales by (1 + w). The checkpoint stores w; the parameter holds
+    1 + w (added in float32 at load), so the forward and the native kernels stay RMSNorm's.
+    In float32 this is HF's computation exactly; in bf16 the scale is rounded to bf16 once."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self._load_offset  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _load_offset(
+        param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        default_weight_loader(param, loaded.float() + 1.0, shard_id)

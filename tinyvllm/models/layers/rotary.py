@@ -32,11 +32,16 @@ class RopeConfig:
     params: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_hf_config(cls, config: Any, head_dim: int | None = None) -> RopeConfig:
+    def from_hf_config(
+        cls, config: Any, head_dim: int | None = None, layer_type: str | None = None
+    ) -> RopeConfig:
         """Read `config.rope_parameters` (transformers v5), falling back to the older
-        `config.rope_scaling` + `config.rope_theta` pair."""
+        `config.rope_scaling` + `config.rope_theta` pair. Models whose rope differs per layer
+        type (Gemma 3: "sliding_attention" / "full_attention") name the `layer_type`."""
         raw = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
         raw = dict(raw or {})
+        if layer_type is not None and isinstance(raw.get(layer_type), Mapping):
+            raw = dict(raw[layer_type])
         if any(isinstance(value, Mapping) for value in raw.values()):
             raise ValueError(
                 f"per-layer-type rope_parameters ({sorted(raw)}) are not supported by this model"
