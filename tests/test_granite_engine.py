@@ -132,6 +132,24 @@ def test_restored_snapshot_continues_like_hf_cache(
     assert llm.get_stats().prefix_hits - before == 48
 
 
+def test_default_max_num_seqs_capped_to_state_budget(
+    granite: tuple[Path, Any, list[list[int]]],
+) -> None:
+    """Left at its default, max_num_seqs shrinks to the running state slots a quarter of the
+    budget holds (as granite-4.0-h-350m needs on CPU: 22 MiB of state per request); asked
+    for explicitly, too many is an error naming both knobs."""
+    model_dir, _, expected = granite
+    probe = make_llm(model_dir, max_model_len=96)
+    per_slot = sum(layer.state_bytes() for layer in probe.engine.runner.recurrent_layers)
+    budget = 10 * per_slot  # a quarter holds 2 running slots
+    llm = make_llm(model_dir, max_model_len=96, kv_cache_memory_bytes=budget)
+    assert llm.engine.config.scheduler.max_num_seqs == 2
+    # Four requests through two slots, still HF's tokens.
+    assert token_ids(llm, token_prompts(0, PROMPT_LENGTHS)) == expected
+    with pytest.raises(ValueError, match=r"max_num_seqs=16 .*kv_cache_memory_bytes"):
+        make_llm(model_dir, max_model_len=96, kv_cache_memory_bytes=budget, max_num_seqs=16)
+
+
 def test_unknown_layer_type_fails_at_load(
     granite: tuple[Path, Any, list[list[int]]], tmp_path: Path
 ) -> None:

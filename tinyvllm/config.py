@@ -10,6 +10,8 @@ from tinyvllm.quant.config import QuantConfig, parse_quantization
 # Supported values of mamba_cache_mode (vLLM also has "all": snapshots at every block).
 MAMBA_CACHE_MODES = ("align", "none")
 RUNNERS = ("auto", "generate", "pooling")
+# max_num_seqs when the user leaves it unset (a hybrid model may run fewer: see kv_cache.py).
+DEFAULT_MAX_NUM_SEQS = 256
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 
 
@@ -95,7 +97,10 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    # False: the user left max_num_seqs unset, so the engine may lower it to the recurrent-state
+    # slots a hybrid model's cache budget holds.
+    max_num_seqs_explicit: bool = True
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
@@ -147,7 +152,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
+    # None: DEFAULT_MAX_NUM_SEQS, or fewer for a hybrid model whose recurrent state for that
+    # many requests would not fit its share of the KV cache budget.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -184,7 +191,7 @@ class EngineArgs:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")

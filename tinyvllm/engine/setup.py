@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from tinyvllm.config import (
+    DEFAULT_MAX_NUM_SEQS,
     CacheConfig,
     DeviceConfig,
     EngineArgs,
@@ -59,7 +60,8 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         model=model_config(args, checkpoint, dtype, max_model_len, quantization),
         cache=cache,
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=resolved_max_num_seqs(args),
+            max_num_seqs_explicit=args.max_num_seqs is not None,
             max_num_batched_tokens=max_batched,
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_model_len=max_model_len,
@@ -99,6 +101,11 @@ def model_config(
         video_pruning_rate=float(args.video_pruning_rate or 0.0),
         **extra,
     )
+
+
+def resolved_max_num_seqs(args: EngineArgs) -> int:
+    """The user's max_num_seqs, else the default (which a hybrid model may lower later)."""
+    return args.max_num_seqs if args.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
 
 
 def runner_type(args: EngineArgs, checkpoint: Any) -> str:
@@ -188,7 +195,7 @@ def _context_bounds(
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     elem = 4 if dtype == "float32" else 2
     per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
-    per_position = 2 * 4 * head_dim + 8 * (args.max_num_seqs + 1)
+    per_position = 2 * 4 * head_dim + 8 * (resolved_max_num_seqs(args) + 1)
     tables = cpu_kv_budget_bytes() // _TABLES_FRACTION // per_position
     return max_kv_tokens(cache, per_token, device), tables
 

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 # what is free, since the weights and activations share the same memory.
 _CPU_DEFAULT_KV_BYTES = 4 << 30
 _CPU_MAX_FRACTION = 0.25
+# A hybrid model whose user left max_num_seqs at its default gets at most 1/this of the cache
+# budget for running recurrent-state slots (snapshots take up to another quarter).
+_RUNNING_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -60,25 +63,42 @@ class StateSlots:
         max_num_seqs: int,
         cache_snapshots: bool,
         budget_bytes: int | None,
+        may_cap_running: bool = False,
     ) -> StateSlots:
         """One running slot per request the scheduler may run, plus (when state snapshots are
         cached) twice as many snapshot slots, fewer when the budget cannot spare half of
-        itself. Raises ValueError when the running slots alone do not fit."""
+        itself. `may_cap_running` (the user left max_num_seqs at its default): the running
+        slots take at most a quarter of the budget, so a model with a large state (Mamba2:
+        tens of MiB per request) still gets snapshots and KV blocks instead of failing.
+        Raises ValueError when the running slots (or, capped, one slot) do not fit."""
         per_slot = sum(layer.state_bytes() for layer in layers)
         if per_slot == 0:
             return cls(0, 0, 0)
-        snapshots = 2 * max_num_seqs if cache_snapshots else 0
+        running = max_num_seqs
         if budget_bytes is not None:
-            if max_num_seqs * per_slot > budget_bytes:
-                raise ValueError(
-                    f"the recurrent state of max_num_seqs={max_num_seqs} requests needs "
-                    f"{max_num_seqs * per_slot} bytes ({per_slot} per request), more than the "
-                    f"KV cache budget of {budget_bytes} bytes; lower max_num_seqs or give the "
-                    "KV cache more memory"
+            if may_cap_running and running * per_slot > budget_bytes // _RUNNING_SHARE:
+                running = max(1, budget_bytes // _RUNNING_SHARE // per_slot)
+                logger.info(
+                    "recurrent state: %.2f MiB per request; running at most %d requests at "
+                    "once (a quarter of the %d-byte cache budget) instead of the default "
+                    "max_num_seqs=%d (set max_num_seqs or kv_cache_memory_bytes to change it)",
+                    per_slot / 2**20,
+                    running,
+                    budget_bytes,
+                    max_num_seqs,
                 )
-            spare = budget_bytes // 2 - max_num_seqs * per_slot
+            if running * per_slot > budget_bytes:
+                raise ValueError(
+                    f"the recurrent state of max_num_seqs={running} requests needs "
+                    f"{running * per_slot} bytes ({per_slot} per request), more than the "
+                    f"KV cache budget of {budget_bytes} bytes; lower max_num_seqs or raise "
+                    "kv_cache_memory_bytes (gpu_memory_utilization on a GPU)"
+                )
+        snapshots = 2 * running if cache_snapshots else 0
+        if budget_bytes is not None:
+            spare = budget_bytes // 2 - running * per_slot
             snapshots = max(0, min(snapshots, spare // per_slot))
-        return cls(per_slot, max_num_seqs, snapshots)
+        return cls(per_slot, running, snapshots)
 
 
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -123,6 +143,7 @@ def determine_num_blocks(
     may_shrink_max_model_len: bool = False,
     recurrent_layers: list[RecurrentLayer] | None = None,
     cache_state_snapshots: bool = False,
+    may_cap_max_num_seqs: bool = False,
 ) -> KVCacheSize:
     """Number of KV blocks, from (in priority order) an exact override, an explicit byte budget,
     a GPU profiling pass with `gpu_memory_utilization`, or a CPU default.
@@ -132,7 +153,9 @@ def determine_num_blocks(
     fits (with a warning) instead of failing, like a long-context model on a laptop needs.
 
     Hybrid models (`recurrent_layers`): the state slots (`StateSlots.plan`) come out of the
-    same budget first; with `num_gpu_blocks_override` they come on top of the blocks.
+    same budget first; with `num_gpu_blocks_override` they come on top of the blocks. With
+    `may_cap_max_num_seqs` (max_num_seqs left at its default) fewer running slots than
+    max_num_seqs may come back (`num_running_states`): the engine then runs that many at once.
     """
     per_block = kv_bytes_per_block(layers, cache.block_size, dtype)
     blocks_per_seq = -(-max_model_len // cache.block_size)
@@ -151,14 +174,16 @@ def determine_num_blocks(
     else:
         budget = cpu_kv_budget_bytes()
         source = "CPU default"
-    slots = StateSlots.plan(recurrent_layers or [], max_num_seqs, cache_state_snapshots, budget)
+    slots = StateSlots.plan(
+        recurrent_layers or [], max_num_seqs, cache_state_snapshots, budget, may_cap_max_num_seqs
+    )
     if budget is None:
         num_blocks = cache.num_gpu_blocks_override or 0
     else:
         num_blocks = (budget - slots.total_bytes) // per_block
         if source == "CPU default":
             # No point holding more than every sequence at full length can use.
-            num_blocks = min(num_blocks, max_num_seqs * blocks_per_seq)
+            num_blocks = min(num_blocks, (slots.num_running or max_num_seqs) * blocks_per_seq)
     if num_blocks < blocks_per_seq and may_shrink_max_model_len and num_blocks > 0:
         fitted = num_blocks * cache.block_size
         logger.warning(

@@ -128,6 +128,7 @@ class ModelRunner:
             may_shrink_max_model_len=not mc.max_model_len_explicit,
             recurrent_layers=self.recurrent_layers,
             cache_state_snapshots=config.cache.caches_state_snapshots,
+            may_cap_max_num_seqs=not config.scheduler.max_num_seqs_explicit,
         )
         self.max_model_len = max_model_len = size.max_model_len
         self.kv_caches = allocate_kv_caches(
