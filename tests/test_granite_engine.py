@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from granite_hybrid_fixtures import build_granite_checkpoint
 
 from tinyvllm import LLM, SamplingParams
@@ -148,6 +149,24 @@ def test_default_max_num_seqs_capped_to_state_budget(
     assert token_ids(llm, token_prompts(0, PROMPT_LENGTHS)) == expected
     with pytest.raises(ValueError, match=r"max_num_seqs=16 .*kv_cache_memory_bytes"):
         make_llm(model_dir, max_model_len=96, kv_cache_memory_bytes=budget, max_num_seqs=16)
+
+
+def test_mamba_ssm_cache_dtype_sets_the_ssm_state_dtype(
+    granite: tuple[Path, Any, list[list[int]]],
+) -> None:
+    model_dir, _, expected = granite
+    mixers = make_llm(model_dir).engine.runner.recurrent_layers
+    half = make_llm(model_dir, mamba_ssm_cache_dtype="bfloat16")
+    half_mixers = half.engine.runner.recurrent_layers
+    # The SSM state in bf16; the conv window stays in the model dtype (float32 here).
+    assert [t.dtype for t in half_mixers[0].states] == [torch.float32, torch.bfloat16]
+    assert [t.dtype for t in mixers[0].states] == [torch.float32, torch.float32]
+    conv_bytes, ssm_bytes = (s.nbytes for s in mixers[0].state_shapes())
+    assert half_mixers[0].state_bytes() == conv_bytes + ssm_bytes // 2
+    # Short prompts' greedy tokens survive the rounding of a tiny model's state.
+    assert token_ids(half, token_prompts(0, PROMPT_LENGTHS[:2])) == expected[:2]
+    with pytest.raises(ValueError, match=r"mamba_ssm_cache_dtype must be one of auto, float32"):
+        make_llm(model_dir, mamba_ssm_cache_dtype="fp8")
 
 
 def test_unknown_layer_type_fails_at_load(

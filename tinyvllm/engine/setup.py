@@ -49,6 +49,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         mamba_cache_mode=args.mamba_cache_mode,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
 
     # Tables sized by the context (rope, request rows) are built before the KV cache is

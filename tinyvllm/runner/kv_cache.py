@@ -101,6 +101,19 @@ class StateSlots:
         return cls(per_slot, running, snapshots)
 
 
+# mamba_ssm_cache_dtype -> the SSM state dtype ("auto": the layers' own, float32).
+_SSM_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_ssm_cache_dtype(layers: list[RecurrentLayer], name: str) -> None:
+    """Set the recurrent layers' SSM state dtype from the engine arg, before sizing."""
+    dtype = _SSM_STATE_DTYPES.get(name)
+    if dtype is None:
+        return
+    for layer in layers:
+        layer.set_ssm_state_dtype(dtype)
+
+
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in layers)

@@ -32,6 +32,7 @@ from tinyvllm.runner.kv_cache import (
     KVCacheSize,
     allocate_kv_caches,
     allocate_state_tensors,
+    apply_ssm_cache_dtype,
     determine_num_blocks,
 )
 from tinyvllm.runner.loading import load_target_model
@@ -76,6 +77,7 @@ class ModelRunner:
         self.layers = self.model.attention_layers()
         # Hybrid models' mixer layers with per-request recurrent state (empty: none).
         self.recurrent_layers = list(getattr(self.model, "recurrent_layers", list)())
+        apply_ssm_cache_dtype(self.recurrent_layers, config.cache.mamba_ssm_cache_dtype)
         self.backend = self.platform.attention_backend(config.device.attention_backend)
         self.draft: DraftModelProposer | None = None
         kv_layers = list(self.layers)

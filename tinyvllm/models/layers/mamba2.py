@@ -134,6 +134,9 @@ class Mamba2Mixer(RecurrentLayer):
             and importlib.util.find_spec("triton") is not None
         )
 
+    def set_ssm_state_dtype(self, dtype: torch.dtype) -> None:
+        self.ssm_state_dtype = dtype
+
     def state_shapes(self) -> list[StateShape]:
         c = self.config
         return [

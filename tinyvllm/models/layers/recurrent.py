@@ -44,5 +44,9 @@ class RecurrentLayer(nn.Module):
     def state_shapes(self) -> list[StateShape]:
         """The per-slot shape and dtype of each state tensor, in the order of `states`."""
 
+    def set_ssm_state_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the SSM state in `dtype` (engine arg mamba_ssm_cache_dtype); call before the
+        runner sizes the states. Layers without an SSM state (short convs) ignore it."""
+
     def state_bytes(self) -> int:
         return sum(s.nbytes for s in self.state_shapes())
