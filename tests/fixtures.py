@@ -182,8 +182,13 @@ def build_tiny_checkpoint(
     config = config_classes[family](**kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, std=kwargs["initializer_range"])
+    return save_with_tokenizer(model, out_dir, tokenizer_dir)
+
+
+def save_with_tokenizer(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path) -> Path:
+    """Save an HF model plus the tokenizer's files as one checkpoint directory."""
     out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir)  # type: ignore[operator]
     for path in Path(tokenizer_dir).iterdir():
         if path.is_file():
             shutil.copy(path, out_dir / path.name)

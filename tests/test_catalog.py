@@ -43,6 +43,8 @@ SHIPPED_NAMES = {
     "Llama-3.2-1B-Instruct",
     "all-MiniLM-L6-v2",
     "Llama-3.2-3B-Instruct",
+    "granite-4.0-h-350m",
+    "LFM2-350M",
     "Qwen2.5-VL-3B-Instruct",
     "Gemma-3-270M",
 }

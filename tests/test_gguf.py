@@ -331,6 +331,11 @@ def test_unsupported_architecture_and_quant_type(
     gpt2 = write_tiny_gguf(tiny_models["llama"], tmp_path / "gpt2.gguf", architecture="gpt2")
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported; .*llama"):
         LLM(str(gpt2))
+    granite = write_tiny_gguf(
+        tiny_models["llama"], tmp_path / "granite.gguf", architecture="granitehybrid"
+    )
+    with pytest.raises(ValueError, match=r"'granitehybrid' .*not supported yet.*granite-4\.0-h"):
+        LLM(str(granite))
 
     path = tmp_path / "iq.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -53,6 +53,8 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     pool.check_invariants()
+    if kv.states is not None:  # hybrid: exactly the requests holding blocks hold a state slot
+        kv.states.check_invariants(set(kv._blocks))
 
 
 def make_scheduler(num_blocks: int, enable_caching: bool = False, **kw: object) -> Scheduler:

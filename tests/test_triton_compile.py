@@ -34,18 +34,23 @@ AOT_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("variant", AOT_VARIANTS, ids=lambda v: f"{v[0]}-d{v[1]}-s{v[7]}")
-def test_kernels_compile_for_sm90(variant: tuple) -> None:
+def skip_unless_compilable(kernel: object) -> None:
+    """Skip when triton has no ptxas, or `kernel` is interpreted (TRITON_INTERPRET=1)."""
+    from triton.runtime.jit import JITFunction
+
     nvidia_bin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     if not os.path.exists(os.path.join(nvidia_bin, "ptxas")):
         pytest.skip("triton ships no ptxas here")
-    from triton.runtime.jit import JITFunction
+    if not isinstance(kernel, JITFunction):
+        pytest.skip("the kernels are interpreted in this process (TRITON_INTERPRET=1)")
 
+
+@pytest.mark.parametrize("variant", AOT_VARIANTS, ids=lambda v: f"{v[0]}-d{v[1]}-s{v[7]}")
+def test_kernels_compile_for_sm90(variant: tuple) -> None:
     from tinyvllm.attention.kernels import kv_store, split_kv
     from tinyvllm.attention.kernels import unified_attention as ua
 
-    if not isinstance(ua._attention_kernel, JITFunction):
-        pytest.skip("the kernels are interpreted in this process (TRITON_INTERPRET=1)")
+    skip_unless_compilable(ua._attention_kernel)
 
     dtype, head_dim, group, max_q, window, cap, bidi, splits = variant
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]

@@ -7,7 +7,13 @@ from typing import Any
 
 from tinyvllm.quant.config import QuantConfig, parse_quantization
 
+# Supported values of mamba_cache_mode (vLLM also has "all": snapshots at every block).
+MAMBA_CACHE_MODES = ("align", "none")
+# Supported values of mamba_ssm_cache_dtype ("auto": float32, see CacheConfig).
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RUNNERS = ("auto", "generate", "pooling")
+# max_num_seqs when the user leaves it unset (a hybrid model may run fewer: see kv_cache.py).
+DEFAULT_MAX_NUM_SEQS = 256
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 
 
@@ -81,11 +87,27 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Hybrid models' recurrent state in the prefix cache (vLLM's name): "align" snapshots the
+    # state where prefill chunks end on block boundaries; "none" caches no state (and so no
+    # prefix of a hybrid model). Models without recurrent layers ignore it.
+    mamba_cache_mode: str = "align"
+    # Dtype of Mamba2 mixers' SSM state (vLLM's name). "auto" is float32 whatever the model
+    # dtype (the recurrence accumulates over the whole sequence; vLLM's "auto" follows the
+    # model dtype); "bfloat16" / "float16" halve the state per request (Granite 4.0-H 350M:
+    # ~22 MiB -> ~11 MiB) at some accuracy. The conv windows stay in the model dtype.
+    mamba_ssm_cache_dtype: str = "auto"
+
+    @property
+    def caches_state_snapshots(self) -> bool:
+        return self.enable_prefix_caching and self.mamba_cache_mode == "align"
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    # False: the user left max_num_seqs unset, so the engine may lower it to the recurrent-state
+    # slots a hybrid model's cache budget holds.
+    max_num_seqs_explicit: bool = True
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
@@ -137,10 +159,16 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
+    # None: DEFAULT_MAX_NUM_SEQS, or fewer for a hybrid model whose recurrent state for that
+    # many requests would not fit its share of the KV cache budget.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # "align" | "none": see CacheConfig.mamba_cache_mode.
+    mamba_cache_mode: str = "align"
+    # "auto" | "float32" | "bfloat16" | "float16": see CacheConfig.mamba_ssm_cache_dtype.
+    mamba_ssm_cache_dtype: str = "auto"
     device: str = "auto"
     attention_backend: str | None = None
     enforce_eager: bool = False
@@ -172,7 +200,7 @@ class EngineArgs:
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
@@ -194,6 +222,16 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         parse_quantization(self.quantization)
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
+                f"{self.mamba_cache_mode!r} (vLLM's 'all' mode is not supported)"
+            )
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(
+                f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, got "
+                f"{self.mamba_ssm_cache_dtype!r}"
+            )
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         PoolerConfig.from_value(self.pooler_config)

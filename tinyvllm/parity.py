@@ -77,23 +77,38 @@ class ParityReport:
         return "\n".join(lines)
 
 
-def hf_greedy(hf_model: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Plain greedy decoding with HF's own KV cache, no stopping at EOS."""
+def hf_greedy(
+    hf_model: Any, prompt_ids: list[int], max_tokens: int, split: int | None = None
+) -> list[int]:
+    """Plain greedy decoding with HF's own KV cache, no stopping at EOS.
+
+    With `split`, the prompt goes in as prompt[:split] and then the rest onto HF's cache: the
+    reference for a prefix-cache hit that resumes after `split` tokens (hybrids: from a
+    recurrent-state snapshot)."""
     import inspect
 
     import torch
 
     # transformers 5.x renamed `past_key_values` to `cache`; accept either.
     cache_kw = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else None
+
+    def forward(ids: list[int], out: Any = None) -> Any:
+        kwargs = {}
+        if out is not None:
+            kwargs[cache_kw or "past_key_values"] = getattr(out, "cache", None) or (
+                out.past_key_values
+            )
+        return hf_model(input_ids=torch.tensor([ids]), use_cache=True, **kwargs)
+
     with torch.no_grad():
-        out = hf_model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+        if split is None:
+            out = forward(prompt_ids)
+        else:
+            out = forward(prompt_ids[split:], forward(prompt_ids[:split]))
         tokens: list[int] = []
         for _ in range(max_tokens):
-            nxt = int(out.logits[0, -1].argmax())
-            tokens.append(nxt)
-            cache = getattr(out, "cache", None) or out.past_key_values
-            kwargs = {cache_kw or "past_key_values": cache}
-            out = hf_model(input_ids=torch.tensor([[nxt]]), use_cache=True, **kwargs)
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = forward(tokens[-1:], out)
     return tokens
 
 

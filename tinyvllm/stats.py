@@ -82,5 +82,13 @@ class EngineStats:
     # Tokens a request gains per verification: accepted drafts + the target's own token.
     spec_mean_accepted_length: float = 0.0
     spec_current_k: int = 0
+    # Hybrid models' recurrent state (zero for models without it): slots for running requests
+    # and in use, snapshot slots and snapshots a prefix hit can restore, requests that
+    # started from a snapshot (lifetime).
+    state_running_slots: int = 0
+    state_running_slots_used: int = 0
+    state_snapshot_slots: int = 0
+    state_snapshots_cached: int = 0
+    state_hits: int = 0
     # Optional per-block view (see `Engine.get_stats(include_blocks=True)`).
     blocks: tuple[BlockInfo, ...] = field(default=(), repr=False)

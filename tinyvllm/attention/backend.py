@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from tinyvllm.attention.layer import Attention
+    from tinyvllm.attention.recurrent import RecurrentMetadata
 
 
 @dataclass
@@ -44,6 +45,8 @@ class AttentionMetadata:
     # a query and a key both inside the span see each other regardless of order (multimodal
     # prefix spans), still limited to keys < seq_len. The runner schedules a span in one chunk.
     bidirectional_ranges: torch.Tensor | None = None
+    # Hybrid models: state slots of the batch's requests for the recurrent (mixer) layers.
+    recurrent: RecurrentMetadata | None = None
 
 
 class AttentionBackend(ABC):

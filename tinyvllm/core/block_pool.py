@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -68,6 +68,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_cached_free = 0
         self.num_evictions = 0
+        # Told each hash the pool forgets by eviction (hybrid models drop the recurrent-state
+        # snapshot stored under it).
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,6 +134,13 @@ class BlockPool:
                 self.num_cached_free -= 1
             self.ref_counts[block_id] += 1
 
+    def refresh(self, block_ids: Iterable[int]) -> None:
+        """Mark free cached blocks as just used (the back of the LRU queue) without taking
+        them: content a lookup found but could not use yet, kept from early eviction."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                self._free.move_to_end(block_id)
+
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
         """Record that `block_id` (in use, KV fully written) holds the KV of `block_hash`.
 
@@ -143,6 +153,16 @@ class BlockPool:
             return
         self.block_hashes[block_id] = block_hash
         self.cached[block_hash] = block_id
+
+    def forget(self, block_hash: BlockHash) -> None:
+        """Drop `block_hash` from the cache; its block keeps its place (and owners) but is
+        plain content now."""
+        block_id = self.cached.pop(block_hash, None)
+        if block_id is None:
+            return
+        self.block_hashes[block_id] = None
+        if self.ref_counts[block_id] == 0:
+            self.num_cached_free -= 1
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (blocks in use keep their KV for their owners).
@@ -162,6 +182,8 @@ class BlockPool:
             del self.cached[block_hash]
         self.num_cached_free -= 1
         self.num_evictions += 1
+        if block_hash is not None and self.on_evict is not None:
+            self.on_evict(block_hash)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (tests and debugging)."""

@@ -1,11 +1,12 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookups, and allocation
-with lookahead."""
+with lookahead; for hybrid models also the recurrent-state slots (`core/state_pool.py`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from tinyvllm.core.block_pool import ROOT_HASH, BlockHash, BlockPool, BlockPoolStats, hash_block
+from tinyvllm.core.state_pool import StatePool, StatePoolStats
 from tinyvllm.request import Request
 
 
@@ -26,6 +27,8 @@ class BlockInfo:
     state: str
     ref_count: int
     request_ids: tuple[str, ...]
+    # Hybrid models: a recurrent-state snapshot is cached for the prefix ending at this block.
+    state_snapshot: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,32 @@ class KVCacheStats:
     prefix_queries: int  # prompt tokens looked up
     prefix_hits: int  # of those, tokens found cached
     blocks: tuple[BlockInfo, ...] = ()
+    # Hybrid models' recurrent-state slots (None: the model has none).
+    state: StatePoolStats | None = None
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    """`num_running_states` > 0 marks a hybrid model: every running request also holds a
+    recurrent-state slot, and with caching the prefix cache is limited to block boundaries
+    that have a state snapshot (`num_snapshot_states` slots; "align" mode)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_running_states: int = 0,
+        num_snapshot_states: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.states: StatePool | None = None
+        if num_running_states:
+            self.states = StatePool(num_running_states, num_snapshot_states, enable_caching)
+            self.pool.on_evict = self.states.forget
+        # Hybrid requests admitted this step -> the snapshot slot their state starts from.
+        self._restores: dict[str, int | None] = {}
         self.counters = PrefixCacheCounters()
         self._blocks: dict[str, list[int]] = {}
         # Per request: how many of its leading blocks are registered in the cache already.
@@ -89,12 +111,44 @@ class KVCacheManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hits: list[int] = []
-        for block_hash in self.block_hashes(request, request.num_tokens - 1):
+        hashes = self.block_hashes(request, request.num_tokens - 1)
+        for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.states is not None:
+            # The recurrent layers resume only from a snapshot: a hit ends at the last hit
+            # block that has one (none before the first full block).
+            # The KV past the last snapshot is recomputed, but stays cached (kept recent):
+            # that prefix is shared, and the chunk that recomputes it ends there with a
+            # snapshot (Scheduler._align_chunk), so later requests hit all of it.
+            kv_hits = list(hits)
+            while hits and not self.states.has_snapshot(hashes[len(hits) - 1]):
+                hits.pop()
+            self.pool.refresh(kv_hits[len(hits) :])
         return hits, len(hits) * self.block_size
+
+    @property
+    def aligns_chunks(self) -> bool:
+        """Whether prefill chunks should end on block boundaries (hybrid models caching state
+        snapshots: a snapshot can only be taken where a chunk ends)."""
+        return self.states is not None and self.states.caching
+
+    def waits_for_inflight(
+        self, request: Request, num_hit_blocks: int, inflight: set[BlockHash]
+    ) -> bool:
+        """Whether a waiting request should wait a step to read a prefix this step computes.
+
+        Attention-only models wait when their next uncached block is being computed. Hybrid
+        models can resume only from a snapshot, so they wait only when a snapshot this step
+        takes lies on their own chain (`inflight` then holds only snapshot hashes)."""
+        if not inflight:
+            return False
+        if self.states is None:
+            return self.next_uncached_hash(request, num_hit_blocks) in inflight
+        hashes = self.block_hashes(request, request.num_tokens - 1)
+        return any(h in inflight for h in hashes[num_hit_blocks:])
 
     def next_uncached_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
         """The hash of the first block after a request's cache hits (None: no full block)."""
@@ -118,6 +172,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
+        if self.states is not None:
+            self.states.commit(request.request_id)
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
@@ -132,7 +188,61 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         self._num_cached = {rid: len(b) for rid, b in self._blocks.items()}
+        if self.states is not None:
+            self.states.reset_prefix_cache()
         return self.pool.reset_prefix_cache()
+
+    # ---- recurrent state (hybrid models) ----------------------------------------------------
+    def state_slots(self, request: Request) -> tuple[int | None, int | None]:
+        """A newly admitted request's (running state slot, snapshot slot to restore from);
+        (None, None) for models without recurrent state."""
+        if self.states is None:
+            return None, None
+        return (
+            self.states.running_slot(request.request_id),
+            self._restores.pop(request.request_id, None),
+        )
+
+    def plan_snapshot(self, request: Request, num_tokens_after: int) -> int | None:
+        """The snapshot slot to copy the request's state into after this step, which brings
+        it to `num_tokens_after` computed tokens; None unless that ends a full block of its
+        prompt, before its last token, whose prefix has no snapshot yet (and a slot is free).
+        A hit never covers a request's last token, so a snapshot there would only serve
+        longer prompts; the block before it (where the final chunk was split) serves those
+        too without filling the pool twice per request."""
+        if not self.aligns_chunks or request.sampling_params.prompt_logprobs is not None:
+            return None
+        assert self.states is not None
+        if num_tokens_after % self.block_size or not (
+            0 < num_tokens_after < request.num_prompt_tokens
+        ):
+            return None
+        block_hash = self.block_hashes(request, num_tokens_after)[-1]
+        return self.states.reserve_snapshot(request.request_id, block_hash)
+
+    def has_snapshot(self, request: Request, num_tokens: int) -> bool:
+        """Whether the prefix of the request's first `num_tokens` (a block multiple) has a
+        cached state snapshot."""
+        if self.states is None or num_tokens < self.block_size:
+            return False
+        return self.states.has_snapshot(self.block_hashes(request, num_tokens)[-1])
+
+    def cached_prefix_end(self, request: Request, start: int) -> int:
+        """Where the request's KV chain stops being cached, walking from token `start` (a block
+        multiple) up to its last full block before its last token. Hybrid prefills stop a
+        chunk there: that is where another request's prefix ended, so a later request with
+        the same prefix may resume from a state snapshot taken there."""
+        hashes = self.block_hashes(request, request.num_tokens - 1)
+        i = start // self.block_size
+        while i < len(hashes) and self.pool.lookup(hashes[i]) is not None:
+            i += 1
+        return max(i * self.block_size, start)
+
+    def end_step(self) -> None:
+        """The step scheduled last has run: release what only it needed (restore pins)."""
+        self._restores.clear()
+        if self.states is not None:
+            self.states.end_step()
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate_slots(
@@ -157,6 +267,21 @@ class KVCacheManager:
         reclaimed = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
         if max(needed, 0) + reclaimed > self.pool.num_free_blocks:
             return None
+        states = self.states
+        rid = request.request_id
+        if states is not None and states.running_slot(rid) is None:
+            if not states.has_free_running_slot():
+                return None
+            restore_hash = None
+            if computed_blocks:
+                restore_hash = self.block_hashes(request, len(computed_blocks) * self.block_size)[
+                    -1
+                ]
+            restore = states.acquire(rid, restore_hash)[1]
+            # get_computed_blocks only hits where a snapshot is cached, and nothing evicts
+            # between that lookup and this allocation.
+            assert restore is not None or not computed_blocks, "state hit without snapshot"
+            self._restores[rid] = restore
         blocks = self._blocks.setdefault(request.request_id, blocks)
         if computed_blocks:
             self.pool.touch(computed_blocks)
@@ -170,6 +295,9 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self._num_cached.pop(request.request_id, None)
+        if self.states is not None:
+            self.states.release(request.request_id)
+            self._restores.pop(request.request_id, None)
         blocks = self._blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free(blocks[::-1])
@@ -184,6 +312,7 @@ class KVCacheManager:
             prefix_queries=counters.queries,
             prefix_hits=counters.hits,
             blocks=tuple(self.block_view()) if include_blocks else (),
+            state=None if self.states is None else self.states.stats(),
         )
 
     def num_requests(self) -> int:
@@ -204,7 +333,14 @@ class KVCacheManager:
                 state = "cached"
             else:
                 state = "free"
-            view.append(BlockInfo(b, state, pool.ref_counts[b], tuple(owners.get(b, ()))))
+            block_hash = pool.block_hashes[b]
+            snapshot = (
+                self.states is not None
+                and block_hash is not None
+                and self.states.has_snapshot(block_hash)
+            )
+            owners_b = tuple(owners.get(b, ()))
+            view.append(BlockInfo(b, state, pool.ref_counts[b], owners_b, snapshot))
         return view
 
 

@@ -19,6 +19,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None
+    # Hybrid models: the request's running recurrent-state slot, and the snapshot slot its
+    # state starts from on a prefix-cache hit (None: from zeros).
+    state_slot: int | None = None
+    restore_state_slot: int | None = None
     # Images / videos of the prompt with their placeholder ranges (empty for text).
     mm_features: list[MultiModalFeature] = field(default_factory=list)
 
@@ -45,6 +49,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Requests preempted this step: the runner drops their rows; they come back as new.
     preempted_req_ids: set[str]
+    # Hybrid models: request -> snapshot slot to copy its recurrent state into after this
+    # step (its computed tokens then end on a block boundary; prefix caching, "align" mode).
+    state_snapshots: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -54,8 +54,11 @@ class _StepPlan:
     preempted: set[str] = field(default_factory=set)
     # Hashes of full blocks whose KV this step computes: a waiting request whose next
     # uncached block is among them waits one step and then reads it from the cache,
-    # instead of computing the same prefix alongside.
+    # instead of computing the same prefix alongside. Hybrid models: only the blocks whose
+    # state this step snapshots (`KVCacheManager.waits_for_inflight`).
     inflight: set[bytes] = field(default_factory=set)
+    # Hybrid models: request -> snapshot slot for its state after this step.
+    snapshots: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -114,6 +117,7 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.kv.end_step()
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:  # a step that had to preempt admits no one
@@ -128,6 +132,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.spec_tokens,
             finished_req_ids=self._finished_since_last_step,
             preempted_req_ids=plan.preempted,
+            state_snapshots=plan.snapshots,
         )
         self._finished_since_last_step = set()
         return out
@@ -138,6 +143,7 @@ class Scheduler:
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, plan.budget)
+            num_new = self._align_chunk(request, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -184,7 +190,7 @@ class Scheduler:
         if request.num_computed_tokens == 0:
             hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
             request.num_cached_tokens = request.num_computed_tokens
-            if plan.inflight and self.kv.next_uncached_hash(request, len(hits)) in plan.inflight:
+            if self.kv.waits_for_inflight(request, len(hits), plan.inflight):
                 request.num_computed_tokens = 0
                 return False
         num_new = request.num_tokens - request.num_computed_tokens
@@ -193,6 +199,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return False
             num_new = plan.budget
+        num_new = self._align_chunk(request, num_new)
         new_blocks = self.kv.allocate_slots(
             request, num_new, self._lookahead(request, num_new), computed_blocks=hits
         )
@@ -204,6 +211,7 @@ class Scheduler:
         self.kv.record_lookup(request, request.num_cached_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        state_slot, restore_slot = self.kv.state_slots(request)
         plan.new_reqs.append(
             NewRequestData(
                 req_id=request.request_id,
@@ -213,6 +221,8 @@ class Scheduler:
                 block_ids=list(self.kv.get_block_ids(request.request_id)),
                 num_computed_tokens=request.num_computed_tokens,
                 eos_token_id=request.eos_token_id,
+                state_slot=state_slot,
+                restore_state_slot=restore_slot,
                 mm_features=request.mm_features,
             )
         )
@@ -221,8 +231,36 @@ class Scheduler:
 
     def _take(self, plan: _StepPlan, request: Request, num_new: int) -> None:
         plan.num_scheduled[request.request_id] = num_new
-        self._note_inflight_blocks(request, num_new, plan.inflight)
+        end = request.num_computed_tokens + num_new
+        snapshot = self.kv.plan_snapshot(request, end)
+        if snapshot is not None:
+            plan.snapshots[request.request_id] = snapshot
+            plan.inflight.add(self.kv.block_hashes(request, end)[-1])
+        elif self.kv.states is None:
+            self._note_inflight_blocks(request, num_new, plan.inflight)
         plan.budget -= num_new
+
+    def _align_chunk(self, request: Request, num_new: int) -> int:
+        """Hybrid models caching state: end a prefill chunk on a block boundary, where its
+        state can be snapshotted. A chunk stops where the KV cache's copy of its prefix ends
+        (another request's prompt diverged there: a shared prefix, worth a snapshot); a chunk
+        cut by the budget ends at the last boundary it reaches; a prompt's final chunk stops
+        at the last boundary before its last token (the next step computes the rest). A
+        boundary whose prefix has a snapshot already is no reason to stop."""
+        if not self.kv.aligns_chunks or request.num_computed_tokens >= request.num_prompt_tokens:
+            return num_new
+        start = request.num_computed_tokens
+        block_size = self.kv.block_size
+        shared_end = self.kv.cached_prefix_end(request, start - start % block_size)
+        if start < shared_end < start + num_new and not self.kv.has_snapshot(request, shared_end):
+            return shared_end - start
+        if start + num_new < request.num_tokens:
+            aligned = (start + num_new) // block_size * block_size
+        else:
+            aligned = (request.num_tokens - 1) // block_size * block_size
+            if aligned > request.num_prompt_tokens or self.kv.has_snapshot(request, aligned):
+                return num_new
+        return aligned - start if aligned > start else num_new
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -9,7 +9,7 @@ import time
 from collections.abc import Container, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
@@ -20,6 +20,9 @@ from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.request import MultiModalFeature, Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.stats import EngineStats
+
+if TYPE_CHECKING:
+    from tinyvllm.runner.kv_cache import KVCacheSize
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +44,17 @@ class Engine:
         dtype = resolve_dtype(config.model.dtype)
         self.runner = ModelRunner(config, dtype, device)
         kv_size = self.runner.initialize_kv_cache()
-        self.config = config = _fit_to_kv_cache(config, kv_size.max_model_len)
+        self.config = config = _fit_to_kv_cache(config, kv_size)
+        caching = config.cache.enable_prefix_caching
+        if kv_size.num_running_states and not config.cache.caches_state_snapshots:
+            # A hybrid model resumes a prefix only from a state snapshot: none, no hits.
+            caching = False
         self.kv_cache_manager = KVCacheManager(
-            kv_size.num_blocks, kv_size.block_size, config.cache.enable_prefix_caching
+            kv_size.num_blocks,
+            kv_size.block_size,
+            caching,
+            kv_size.num_running_states,
+            kv_size.num_snapshot_states,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(tokenizer)
@@ -410,15 +421,23 @@ def check_text(text: str, what: str = "the prompt") -> str:
     return text
 
 
-def _fit_to_kv_cache(config: EngineConfig, max_model_len: int) -> EngineConfig:
-    """The config the engine serves with: `config` with the context the KV cache allows (the
-    caller's config is left as it was)."""
-    if max_model_len == config.model.max_model_len == config.scheduler.max_model_len:
+def _fit_to_kv_cache(config: EngineConfig, kv_size: KVCacheSize) -> EngineConfig:
+    """The config the engine serves with: `config` with the context the KV cache allows and,
+    for a hybrid model, no more running requests than it has state slots (the caller's config
+    is left as it was)."""
+    max_model_len = kv_size.max_model_len
+    max_num_seqs = config.scheduler.max_num_seqs
+    if kv_size.num_running_states:
+        max_num_seqs = min(max_num_seqs, kv_size.num_running_states)
+    if (
+        max_model_len == config.model.max_model_len == config.scheduler.max_model_len
+        and max_num_seqs == config.scheduler.max_num_seqs
+    ):
         return config
     return replace(
         config,
         model=replace(config.model, max_model_len=max_model_len),
-        scheduler=replace(config.scheduler, max_model_len=max_model_len),
+        scheduler=replace(config.scheduler, max_model_len=max_model_len, max_num_seqs=max_num_seqs),
     )
 
 

@@ -14,7 +14,7 @@ from tinyvllm.config import (
     PoolerConfig,
     SchedulerConfig,
 )
-from tinyvllm.engine.setup import model_config
+from tinyvllm.engine.setup import model_config, resolved_max_num_seqs
 from tinyvllm.quant.config import QuantConfig
 
 # Tokens per step when the user sets no max_num_batched_tokens (raised to max_model_len).
@@ -70,7 +70,7 @@ def build_pooling_config(
         ),
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=False),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=resolved_max_num_seqs(args),
             max_num_batched_tokens=max_batched,
             enable_chunked_prefill=False,
             max_model_len=max_model_len,

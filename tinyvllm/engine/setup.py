@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from tinyvllm.config import (
+    DEFAULT_MAX_NUM_SEQS,
     CacheConfig,
     DeviceConfig,
     EngineArgs,
@@ -47,6 +48,8 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
+        mamba_cache_mode=args.mamba_cache_mode,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
 
     # Tables sized by the context (rope, request rows) are built before the KV cache is
@@ -58,7 +61,8 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         model=model_config(args, checkpoint, dtype, max_model_len, quantization),
         cache=cache,
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=resolved_max_num_seqs(args),
+            max_num_seqs_explicit=args.max_num_seqs is not None,
             max_num_batched_tokens=max_batched,
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_model_len=max_model_len,
@@ -100,6 +104,11 @@ def model_config(
     )
 
 
+def resolved_max_num_seqs(args: EngineArgs) -> int:
+    """The user's max_num_seqs, else the default (which a hybrid model may lower later)."""
+    return args.max_num_seqs if args.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+
+
 def runner_type(args: EngineArgs, checkpoint: Any) -> str:
     """The runner, "generate" or "pooling", for `args.runner` on this checkpoint ("auto":
     pooling for encoder-only architectures and sentence-transformers directories)."""
@@ -112,10 +121,15 @@ def runner_type(args: EngineArgs, checkpoint: Any) -> str:
             return "pooling"
         st_dir = not checkpoint.is_gguf and is_sentence_transformers_dir(checkpoint.path)
         return "pooling" if st_dir else "generate"
-    if args.runner not in entry.runners:
+    if args.runner not in entry.runners and args.runner == "generate":
         raise ValueError(
             f"{arch} is an encoder-only model: it computes embeddings and cannot generate "
             f"text; use runner='pooling' (or 'auto') with embed() / encode()"
+        )
+    if args.runner not in entry.runners:
+        raise ValueError(
+            f"{arch} cannot run as a pooling model (its recurrent state is kept by the "
+            f"generate runner only); use runner='generate' (or 'auto')"
         )
     return args.runner
 
@@ -182,7 +196,7 @@ def _context_bounds(
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     elem = 4 if dtype == "float32" else 2
     per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * elem
-    per_position = 2 * 4 * head_dim + 8 * (args.max_num_seqs + 1)
+    per_position = 2 * 4 * head_dim + 8 * (resolved_max_num_seqs(args) + 1)
     tables = cpu_kv_budget_bytes() // _TABLES_FRACTION // per_position
     return max_kv_tokens(cache, per_token, device), tables
 

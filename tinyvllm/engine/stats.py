@@ -153,5 +153,20 @@ class StatsCollector:
             spec_acceptance_rate=accepted / drafted if drafted else 0.0,
             spec_mean_accepted_length=1 + accepted / verify_steps if verify_steps else 0.0,
             spec_current_k=self.spec_current_k,
+            **_state_fields(kv),
             blocks=kv.blocks,
         )
+
+
+def _state_fields(kv: KVCacheStats) -> dict[str, int]:
+    """Hybrid models' recurrent-state slots (EngineStats' defaults of 0 otherwise)."""
+    state = kv.state
+    if state is None:
+        return {}
+    return {
+        "state_running_slots": state.num_running_slots,
+        "state_running_slots_used": state.num_used_running_slots,
+        "state_snapshot_slots": state.num_snapshot_slots,
+        "state_snapshots_cached": state.num_cached_snapshots,
+        "state_hits": state.num_restores,
+    }

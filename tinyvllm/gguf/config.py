@@ -44,6 +44,15 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # recognises the 27B by its layer count).
 _GEMMA3_27B_LAYERS = 62
 
+# GGUF architectures of models tinyvllm runs from safetensors but not (yet) from GGUF: their
+# recurrent-layer tensors have no mapping here.
+GGUF_NOT_YET: Mapping[str, str] = MappingProxyType(
+    {
+        "lfm2": "LiquidAI/LFM2-350M",
+        "granitehybrid": "ibm-granite/granite-4.0-h-350m",
+    }
+)
+
 # general.file_type -> the dtype "auto" picks (fp16 becomes bf16 on CPU later); any
 # quantized file runs in bf16, whose range is safe for dequantized weights.
 _FILE_TYPE_DTYPES: Mapping[int, str] = MappingProxyType(
@@ -117,6 +126,12 @@ def _float(gf: GGUFFile, key: str, default: float) -> float:
 def check_architecture(gf: GGUFFile) -> tuple[str, str]:
     """(model_type, architecture) for the file; ValueError naming unsupported ones."""
     arch = gf.architecture
+    if arch in GGUF_NOT_YET:
+        raise ValueError(
+            f"GGUF architecture {arch!r} (a hybrid model with recurrent layers) is not supported "
+            f"yet from GGUF files; load its safetensors checkpoint instead (e.g. "
+            f"{GGUF_NOT_YET[arch]!r})"
+        )
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported GGUF architectures: "

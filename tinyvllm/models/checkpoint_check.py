@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Decoder layers (model.layers.N, or layers.N in a headless backbone such as Qwen3-Embedding)
-# and BERT encoder layers (encoder.layer.N, maybe under bert.).
-_LAYER = re.compile(r"^(?:(?:model\.)?layers|(?:bert\.)?encoder\.layer)\.(\d+)\.")
+# Decoder layers (model.layers.N; backbone.layers.N in NemotronH; layers.N in a headless
+# backbone such as Qwen3-Embedding) and BERT encoder layers (encoder.layer.N, maybe under bert.).
+_LAYER = re.compile(r"^(?:(?:model\.|backbone\.)?layers|(?:bert\.)?encoder\.layer)\.(\d+)\.")
 _POSITIVE_INTS = (
     "vocab_size",
     "hidden_size",
@@ -118,9 +118,14 @@ def check_config_values(config: Any, origin: str, describe: Callable[[str], str]
             raise bad(name, "must be a finite positive number", value)
 
 
-def check_against_checkpoint(config: Any, directory: TensorDirectory) -> None:
+def check_against_checkpoint(
+    config: Any, directory: TensorDirectory, model_cls: type | None = None
+) -> None:
     """The config's sizes agree with the checkpoint's tensor shapes (layer count from the layer
     tensors, vocabulary and hidden size from the embedding, heads and MLP width from layer 0).
+    A model class whose layers differ from Llama's (hybrids) names its own layer tensors with
+    a static `checkpoint_shapes(config) -> {name: (shape, config fields)}`, and its embedding
+    with `embedding_tensor` when that is not `model.embed_tokens.weight`.
     Raises ValueError naming the file and the field."""
     check_config_values(config, directory.origin, directory.describe)
     layers = config.num_hidden_layers
@@ -136,10 +141,14 @@ def check_against_checkpoint(config: Any, directory: TensorDirectory) -> None:
         "embed_tokens.weight" in directory.shapes
     )
     base = "" if headless else "model."
-    expected: dict[str, tuple[tuple[int, int], tuple[str, str]]] = {
-        f"{base}embed_tokens.weight": ((config.vocab_size, hidden), ("vocab_size", "hidden_size")),
+    embedding = getattr(model_cls, "embedding_tensor", f"{base}embed_tokens.weight")
+    expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
+        embedding: ((config.vocab_size, hidden), ("vocab_size", "hidden_size")),
     }
-    if layers:
+    own_shapes = getattr(model_cls, "checkpoint_shapes", None)
+    if own_shapes is not None:
+        expected |= own_shapes(config)
+    elif layers:
         attn, mlp = f"{base}layers.0.self_attn", f"{base}layers.0.mlp"
         expected |= {
             f"{attn}.q_proj.weight": ((q_rows, hidden), ("num_attention_heads", "hidden_size")),
@@ -166,7 +175,7 @@ def check_layer_count(layers: int, directory: TensorDirectory) -> None:
 
 
 def check_shape(
-    directory: TensorDirectory, name: str, shape: tuple[int, int], fields: tuple[str, str]
+    directory: TensorDirectory, name: str, shape: tuple[int, ...], fields: tuple[str, ...]
 ) -> None:
     actual = directory.shapes.get(name)
     if actual is None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from tinyvllm.attention.layer import Attention
 from tinyvllm.models.layers.activation import SiluAndMul
-from tinyvllm.models.layers.embedding import VocabEmbedding
+from tinyvllm.models.layers.embedding import VocabEmbedding, output_head
 from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
@@ -292,21 +292,14 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # False once a checkpoint without its (untied) lm_head is loaded: pooling only.
         self.has_lm_head = True
-        head_quant = None if quant_config is None else quant_config.output_config()
-        self.lm_head = ReplicatedLinear(
-            config.hidden_size, config.vocab_size, bias=False, quant_config=head_quant
-        )
-        if self.tie_word_embeddings:
-            # Shares the embedding table (named_parameters lists it once, as the embedding).
-            self.lm_head.weight = self.model.embed_tokens.weight
-            if self.model.embed_tokens.qweight is not None:
-                self.lm_head.qweight = self.model.embed_tokens.qweight
+        self.lm_head = output_head(self.model.embed_tokens, self.tie_word_embeddings, quant_config)
 
     def build_language_model(
         self, config: Any, max_model_len: int, quant_config: QuantConfig | None
-    ) -> LlamaModel:
-        """The decoder stack: `model_class` (a subclass with another position scheme builds its
-        own)."""
+    ) -> nn.Module:
+        """The decoder stack: `model_class` (a subclass with another position scheme or other
+        layers builds its own, reusing this class's head and loading); it must expose
+        `embed_tokens`."""
         return self.model_class(config, max_model_len, self.options, quant_config)
 
     def forward(

@@ -242,9 +242,12 @@ def load_model(
     model_cls = get_model_class(hf_config)
     path = Path(model_dir)
     # Every size the model allocates must agree with a tensor really in the file (a model
-    # family with other tensor names brings its own check).
-    check = getattr(model_cls, "check_checkpoint", check_against_checkpoint)
-    check(hf_config, tensor_directory(path))
+    # family with other tensor names brings its own check, or its own layer shapes).
+    own_check = getattr(model_cls, "check_checkpoint", None)
+    if own_check is not None:
+        own_check(hf_config, tensor_directory(path))
+    else:
+        check_against_checkpoint(hf_config, tensor_directory(path), model_cls)
     # Parameters are allocated directly on the device in the target dtype (uninitialised:
     # the checkpoint overwrites them), so no full-size fp32 copy ever exists.
     with torch.device(device), _default_dtype(dtype):

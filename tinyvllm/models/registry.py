@@ -18,8 +18,8 @@ class ModelEntry:
     module: str
     class_name: str
     # Which runner model state (tinyvllm.runner.model_states) handles this model: "default"
-    # (plain text), later e.g. "mrope" for video VLMs or "mamba_hybrid" for models with
-    # recurrent state.
+    # (plain text), "mrope" (Qwen-VL: M-RoPE positions, vision inputs), "mamba_hybrid"
+    # (recurrent state slots: short-conv / Mamba layers beside attention).
     state_kind: str = "default"
     # What the model can run as: "generate" (text, with a KV cache) and/or "pooling"
     # (embeddings; decoders pool their hidden states, encoders have nothing else).
@@ -32,13 +32,28 @@ class ModelEntry:
 
 _LLAMA = "tinyvllm.models.llama"
 _BERT = "tinyvllm.models.bert"
+_HYBRID = "mamba_hybrid"
+# Hybrids generate only: the pooling runner keeps no recurrent state.
+_GENERATE = ("generate",)
 
 _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
         "BertModel": ModelEntry(_BERT, "BertModel", runners=("pooling",)),
         "Gemma3ForCausalLM": ModelEntry("tinyvllm.models.gemma3", "Gemma3ForCausalLM"),
+        "GraniteMoeHybridForCausalLM": ModelEntry(
+            "tinyvllm.models.granite_moe_hybrid",
+            "GraniteMoeHybridForCausalLM",
+            _HYBRID,
+            _GENERATE,
+        ),
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
+        "Lfm2ForCausalLM": ModelEntry(
+            "tinyvllm.models.lfm2", "Lfm2ForCausalLM", _HYBRID, _GENERATE
+        ),
         "MistralForCausalLM": ModelEntry(_LLAMA, "MistralForCausalLM"),
+        "NemotronHForCausalLM": ModelEntry(
+            "tinyvllm.models.nemotron_h", "NemotronHForCausalLM", _HYBRID, _GENERATE
+        ),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
         "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3ForCausalLM"),
         "Qwen2_5_VLForConditionalGeneration": ModelEntry(

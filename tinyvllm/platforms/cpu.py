@@ -46,6 +46,10 @@ class CpuPlatform(Platform):
     def quant_kernels(self) -> QuantKernels | None:
         return self._quant_kernels
 
+    @property
+    def native_layer_ops(self) -> bool:
+        return self.native is not None
+
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():
             most = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS, self.fp32_copy_budget)

@@ -42,6 +42,12 @@ class Platform:
     def uses_cuda_graphs(self) -> bool:
         return False
 
+    @property
+    def native_layer_ops(self) -> bool:
+        """Whether layers run native kernels on their own thread pool (then a decode-sized
+        step keeps torch single-threaded, so its OpenMP workers do not compete)."""
+        return False
+
     def prepare_model(self, model: nn.Module) -> None:
         """Give a loaded model (target or draft) what this platform runs it with."""
 

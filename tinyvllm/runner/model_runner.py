@@ -28,7 +28,13 @@ from tinyvllm.runner.cuda_graphs import (
 )
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
-from tinyvllm.runner.kv_cache import KVCacheSize, allocate_kv_caches, determine_num_blocks
+from tinyvllm.runner.kv_cache import (
+    KVCacheSize,
+    allocate_kv_caches,
+    allocate_state_tensors,
+    apply_ssm_cache_dtype,
+    determine_num_blocks,
+)
 from tinyvllm.runner.loading import load_target_model
 from tinyvllm.runner.model_states import ModelInputs, ModelState, create_model_state
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
@@ -42,6 +48,10 @@ if TYPE_CHECKING:
     from tinyvllm.native.llama_decode import LlamaDecodeProgram
 
 logger = logging.getLogger(__name__)
+
+# Steps of at most this many tokens run torch single-threaded when the layers' heavy work is
+# native (their GEMVs have their own thread pool), as the decode program's steps do.
+NATIVE_STEP_TOKENS = 16
 
 NON_FINITE_LOGITS = (
     "the model's logits were not finite (NaN or inf), likely from NaN/inf weights or a value "
@@ -65,10 +75,19 @@ class ModelRunner:
             state_kind, self.model, config.scheduler.max_num_seqs, device, mc.video_pruning_rate
         )
         self.layers = self.model.attention_layers()
+        # Hybrid models' mixer layers with per-request recurrent state (empty: none).
+        self.recurrent_layers = list(getattr(self.model, "recurrent_layers", list)())
+        apply_ssm_cache_dtype(self.recurrent_layers, config.cache.mamba_ssm_cache_dtype)
         self.backend = self.platform.attention_backend(config.device.attention_backend)
         self.draft: DraftModelProposer | None = None
         kv_layers = list(self.layers)
         spec = config.speculative
+        if spec is not None and self.recurrent_layers:
+            raise ValueError(
+                f"speculative decoding is not supported for {mc.model!r}: its recurrent "
+                "(short-conv / Mamba) layers cannot roll back rejected draft tokens; "
+                "drop speculative_config"
+            )
         if spec is not None and spec.method == "draft_model":
             draft_model = load_draft_model(
                 spec.model,
@@ -109,10 +128,18 @@ class ModelRunner:
             config.scheduler.max_num_seqs,
             profile_peak_bytes=self._profile_peak_bytes if self.device.type == "cuda" else None,
             may_shrink_max_model_len=not mc.max_model_len_explicit,
+            recurrent_layers=self.recurrent_layers,
+            cache_state_snapshots=config.cache.caches_state_snapshots,
+            may_cap_max_num_seqs=not config.scheduler.max_num_seqs_explicit,
         )
         self.max_model_len = max_model_len = size.max_model_len
         self.kv_caches = allocate_kv_caches(
             self.kv_layers, self.backend, size.num_blocks, self.block_size, self.dtype, self.device
+        )
+        allocate_state_tensors(
+            self.recurrent_layers,
+            size.num_running_states + size.num_snapshot_states,
+            self.device,
         )
         # Built after the KV caches exist: the program points into them. Both fast paths
         # take flat positions only.
@@ -134,7 +161,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         program = self.decode_program
-        if program is not None and program.supports(sched.total_num_scheduled_tokens):
+        num_tokens = sched.total_num_scheduled_tokens
+        if program is not None:
+            native_step = program.supports(num_tokens)
+        else:  # models without a program (hybrids): decode-sized steps on native layer ops
+            native_step = self.platform.native_layer_ops and num_tokens <= NATIVE_STEP_TOKENS
+        if native_step:
             # The native kernels run this step on their own threads; torch's OpenMP workers,
             # woken by sampling, would spin for milliseconds on the same cores.
             with torch_intra_op_threads(1):
@@ -143,6 +175,7 @@ class ModelRunner:
 
     def _execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
+        self.model_state.begin_step(sched)
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             row = states.req_id_to_row.get(req_id)
             if row is not None:
@@ -320,6 +353,10 @@ class ModelRunner:
         if not getattr(self.backend, "cuda_graph_safe", False):
             logger.info("CUDA graphs off: the %s attention backend is eager-only", self.backend)
             return None
+        if self.recurrent_layers:
+            # The graphs' input buffers carry no recurrent-state metadata.
+            logger.info("CUDA graphs off: hybrid models with recurrent state run eagerly")
+            return None
         sched = self.config.scheduler
         sizes = cuda_graph_batch_sizes(sched.max_num_seqs)
         dispatcher = CudaGraphDispatcher(sizes)
@@ -375,6 +412,7 @@ class ModelRunner:
         allocate_kv_caches(
             self.layers, self.backend, num_blocks, self.block_size, self.dtype, self.device
         )
+        allocate_state_tensors(self.recurrent_layers, 1, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
@@ -400,5 +438,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         for layer in self.layers:
             layer.kv_cache = None
+        for rec in self.recurrent_layers:
+            rec.states = []
         torch.cuda.empty_cache()
         return peak

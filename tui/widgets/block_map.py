@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from tinyvllm.stats import BlockInfo
 
 CELL = "■ "  # two columns, so a cell looks square in most terminal fonts
+# Hybrid models: a cell holding a block whose prefix has a recurrent-state snapshot.
+SNAPSHOT_CELL = "◆ "
 FREE = "free"
 CACHED = "cached"
 # In-use cells take their request's colour; ids beyond the palette reuse colours in order.
@@ -55,6 +57,15 @@ def group_cells(blocks: Sequence[BlockInfo], max_cells: int) -> tuple[int, list[
         else:
             keys.append(CACHED if cached else FREE)
     return per_cell, keys
+
+
+def snapshot_cells(blocks: Sequence[BlockInfo], per_cell: int) -> list[bool]:
+    """Per cell (as `group_cells` folds them): whether any of its blocks ends a prefix with a
+    cached recurrent-state snapshot (hybrid models)."""
+    return [
+        any(info.state_snapshot for info in blocks[start : start + per_cell])
+        for start in range(0, len(blocks), per_cell)
+    ]
 
 
 class BlockMap(Widget):
@@ -107,15 +118,19 @@ class BlockMap(Widget):
         text = Text(no_wrap=True, overflow="crop")
         if not keys:
             text.append("no engine\n", style=legend_style)
+        snapshots = snapshot_cells(self.blocks, per_cell)
         for i, key in enumerate(keys):
             if i and i % per_row == 0:
                 text.append("\n")
-            text.append(CELL, style=styles[key])
+            text.append(SNAPSHOT_CELL if snapshots[i] else CELL, style=styles[key])
         text.append("\n")
         text.append("■", style=free)
         text.append(" free  ", style=legend_style)
         text.append("■", style=cached)
         text.append(" cached  ", style=legend_style)
+        if any(snapshots):
+            text.append("◆", style=cached)
+            text.append(" state snapshot  ", style=legend_style)
         for rid in live[:3]:
             text.append("■", style=styles[rid])
             text.append(f" {rid[:10]}  ", style=legend_style)

@@ -42,6 +42,23 @@ def fmt_percentiles(name: str, summary: LatencySummary) -> str:
     return f"{name:<5} p50 {fmt_latency(summary.p50):>7} · p95 {fmt_latency(summary.p95):>7}"
 
 
+def fmt_prefix(stats: EngineStats) -> str:
+    """The prefix-cache line; hybrid models add their recurrent-state slots and hits."""
+    if stats.prefix_cache_enabled:
+        line = (
+            f"prefix hits {stats.prefix_hit_rate:.1%} · recent {stats.recent_prefix_hit_rate:.1%}"
+        )
+    else:
+        line = "prefix caching off"
+    if stats.state_running_slots:
+        line += (
+            f"\nstate slots {stats.state_running_slots_used}/{stats.state_running_slots} · "
+            f"snapshots {stats.state_snapshots_cached}/{stats.state_snapshot_slots} · "
+            f"state hits {stats.state_hits}"
+        )
+    return line
+
+
 def activity_key(stats: EngineStats) -> tuple[int, ...]:
     """What changes when the engine does anything (throughput windows decay on their own)."""
     return (
@@ -168,14 +185,7 @@ class StatsPanel(Vertical):
             f"free {stats.num_free_blocks}"
         )
         q(BlockMap).blocks = stats.blocks
-        if stats.prefix_cache_enabled:
-            prefix = (
-                f"prefix hits {stats.prefix_hit_rate:.1%} · "
-                f"recent {stats.recent_prefix_hit_rate:.1%}"
-            )
-        else:
-            prefix = "prefix caching off"
-        q("#prefix", Static).update(prefix)
+        q("#prefix", Static).update(fmt_prefix(stats))
         q("#queues", Static).update(
             f"running {stats.num_running} · waiting {stats.num_waiting} · "
             f"preempted {stats.num_preempted_waiting} ({stats.total_preemptions} total)"

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyvllm.models.layers.linear import new_parameter
+from tinyvllm.models.layers.linear import ReplicatedLinear, new_parameter
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import QuantizedWeight
 
@@ -47,3 +47,19 @@ class VocabEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.vocab_size}, {self.hidden_size}"
+
+
+def output_head(
+    embedding: VocabEmbedding, tie_word_embeddings: bool, quant_config: QuantConfig | None = None
+) -> ReplicatedLinear:
+    """The lm_head projecting hidden states onto the vocabulary; tied, it shares the embedding's
+    table (named_parameters lists it once, as the embedding), quantized table included."""
+    head_quant = None if quant_config is None else quant_config.output_config()
+    head = ReplicatedLinear(
+        embedding.hidden_size, embedding.vocab_size, bias=False, quant_config=head_quant
+    )
+    if tie_word_embeddings:
+        head.weight = embedding.weight
+        if embedding.qweight is not None:
+            head.qweight = embedding.qweight
+    return head

@@ -2,8 +2,8 @@
 
 `state_kind` (from the model registry) -> the ModelState class: "default" (1-D rope text
 models), "mrope" (Qwen-VL: M-RoPE positions, vision encoder outputs merged into the
-embeddings; with video_pruning_rate > 0 the EVS pruning state). Kinds planned next:
-"mamba_hybrid" (recurrent state slots), "pooling" (encoder-only).
+embeddings; with video_pruning_rate > 0 the EVS pruning state), "mamba_hybrid" (recurrent
+state slots). Kind planned next: "pooling" (encoder-only).
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from torch import nn
 
 from tinyvllm.runner.model_states.default import DefaultModelState
 from tinyvllm.runner.model_states.interface import ModelInputs, ModelState
+from tinyvllm.runner.model_states.mamba_hybrid import MambaHybridModelState
 from tinyvllm.runner.model_states.mrope import MRopeModelState
 from tinyvllm.runner.model_states.video_pruning import VideoPruningModelState
 
 __all__ = [
     "DefaultModelState",
     "MRopeModelState",
+    "MambaHybridModelState",
     "ModelInputs",
     "ModelState",
     "VideoPruningModelState",
@@ -28,7 +30,9 @@ __all__ = [
     "model_state_class",
 ]
 
-_KINDS = MappingProxyType({"default": DefaultModelState, "mrope": MRopeModelState})
+_KINDS = MappingProxyType(
+    {"default": DefaultModelState, "mamba_hybrid": MambaHybridModelState, "mrope": MRopeModelState}
+)
 
 
 def model_state_class(state_kind: str) -> type[ModelState]:

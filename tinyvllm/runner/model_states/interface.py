@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tinyvllm.attention.backend import AttentionMetadata
-from tinyvllm.core.outputs import NewRequestData
+from tinyvllm.core.outputs import NewRequestData, SchedulerOutput
 from tinyvllm.runner.input_batch import InputBatch
 
 
@@ -60,6 +60,10 @@ class ModelState(ABC):
         self.device = device
 
     # ---- per-request state beyond the paged KV -------------------------------------------
+    def begin_step(self, sched: SchedulerOutput) -> None:  # noqa: B027
+        """A step starts (before rows change): note what the state needs from the scheduler's
+        decisions (e.g. the recurrent-state snapshots this step takes)."""
+
     def add_request(self, row: int, new: NewRequestData) -> None:  # noqa: B027
         """`new` now holds runner row `row` (first scheduled, or resumed after preemption).
 
