@@ -134,13 +134,14 @@ def reference_attention(case: Case, cache: torch.Tensor) -> torch.Tensor:
         q_pos = torch.arange(seq_len - q_len, seq_len)
         diff = q_pos[:, None] - pos[None, :]
         visible = diff >= 0
-        if layer.sliding_window is not None:
-            visible &= diff < layer.sliding_window
         if ranges is not None:
             start, end = ranges[r]
             q_in = (q_pos >= start) & (q_pos < end)
             k_in = (pos >= start) & (pos < end)
             visible |= q_in[:, None] & k_in[None, :]
+        # transformers' Gemma 3 sliding mask: the window bounds the span's keys too.
+        if layer.sliding_window is not None:
+            visible &= diff < layer.sliding_window
         scores = q @ k.transpose(1, 2) * layer.scale
         if layer.logits_soft_cap:
             scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap

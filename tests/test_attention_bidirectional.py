@@ -23,7 +23,7 @@ def run_torch(case) -> tuple[torch.Tensor, torch.Tensor]:
         ((12,), (0,), [(3, 9)], None),  # fresh prompt: SDPA fast path must give way
         ((10, 7), (16, 0), [(18, 24), (0, 7)], None),  # span in a later chunk; whole prompt
         ((9, 1), (5, 30), [(5, 14), (2, 20)], None),  # a decode after its span: unaffected
-        ((12,), (0,), [(2, 11)], 3),  # the span overrides the window inside it
+        ((12,), (0,), [(2, 11)], 3),  # later span keys within the window become visible
         ((6,), (4,), [(4, 20)], None),  # span end past seq_len: keys stop at the context
         ((8, 5), (0, 0), [(0, 0), (1, 2)], None),  # empty and one-token spans: plain causal
     ],

@@ -190,13 +190,15 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(k.shape[1], device=q.device)
             diff = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
             mask = diff >= 0
-            if layer.sliding_window is not None:
-                mask &= diff < layer.sliding_window
             if span.bidirectional is not None:
                 start, end = span.bidirectional
                 q_in = (q_pos >= start) & (q_pos < end)
                 k_in = (k_pos >= start) & (k_pos < end)
                 mask |= q_in.unsqueeze(1) & k_in.unsqueeze(0)
+            # The window bounds the span's keys too (transformers' Gemma 3 sliding mask:
+            # AND(window, OR(causal, same image))).
+            if layer.sliding_window is not None:
+                mask &= diff < layer.sliding_window
             if layer.logits_soft_cap:
                 bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
                 bias.masked_fill_(~mask, float("-inf"))

@@ -72,6 +72,16 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if self.config.atomic_mm_spans:
+            budget = self.config.max_num_batched_tokens
+            for f in request.mm_features:
+                if f.length > budget:
+                    raise ValueError(
+                        f"an {f.modality} of the prompt takes {f.length} tokens, more than "
+                        f"max_num_batched_tokens={budget}; its tokens must run in one step "
+                        f"(bidirectional attention), so raise max_num_batched_tokens to at "
+                        f"least {f.length}"
+                    )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -138,6 +148,7 @@ class Scheduler:
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, plan.budget)
+            num_new = self._fit_spans(request, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -183,6 +194,7 @@ class Scheduler:
         hits: list[int] = []
         if request.num_computed_tokens == 0:
             hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
+            hits = self._round_hit(request, hits)
             request.num_cached_tokens = request.num_computed_tokens
             if plan.inflight and self.kv.next_uncached_hash(request, len(hits)) in plan.inflight:
                 request.num_computed_tokens = 0
@@ -193,6 +205,10 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return False
             num_new = plan.budget
+        num_new = self._fit_spans(request, num_new)
+        if num_new <= 0:  # the next image span waits for a step with room for all of it
+            request.num_computed_tokens = 0
+            return False
         new_blocks = self.kv.allocate_slots(
             request, num_new, self._lookahead(request, num_new), computed_blocks=hits
         )
@@ -218,6 +234,34 @@ class Scheduler:
         )
         self._take(plan, request, num_new)
         return True
+
+    def _fit_spans(self, request: Request, num_new: int) -> int:
+        """`num_new` cut so that the chunk splits no media span and holds at most one
+        (`atomic_mm_spans`); 0 when the next span does not fit in `num_new`."""
+        if not self.config.atomic_mm_spans:
+            return num_new
+        start = request.num_computed_tokens
+        end = start + num_new
+        held = 0
+        for f in sorted(request.mm_features, key=lambda f: f.offset):
+            if f.end <= start or f.offset >= end:
+                continue
+            if f.end > end or held or f.offset < start:
+                return max(0, f.offset - start)
+            held += 1
+        return num_new
+
+    def _round_hit(self, request: Request, hits: list[int]) -> list[int]:
+        """A prefix-cache hit ending inside a media span, rounded down to the block where the
+        span starts (`atomic_mm_spans`: the span's tokens run in one chunk)."""
+        if not self.config.atomic_mm_spans:
+            return hits
+        n = request.num_computed_tokens
+        for f in request.mm_features:
+            if f.offset < n < f.end:
+                n = f.offset // self.kv.block_size * self.kv.block_size
+        request.num_computed_tokens = n
+        return hits[: n // self.kv.block_size]
 
     def _take(self, plan: _StepPlan, request: Request, num_new: int) -> None:
         plan.num_scheduled[request.request_id] = num_new

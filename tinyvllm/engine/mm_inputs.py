@@ -241,6 +241,18 @@ class MultiModalProcessor:
         )
 
 
+def create_mm_processor(
+    hf_config: Any, model_path: str, max_model_len: int, video_pruning_rate: float, tokenizer: Any
+) -> Any:
+    """The model's prompt-media processor: Gemma 3's for Gemma 3 vision-language checkpoints,
+    else the Qwen-VL style one (disabled for text-only models)."""
+    if getattr(hf_config, "model_type", None) == "gemma3" and hasattr(hf_config, "vision_config"):
+        from tinyvllm.engine.gemma3_mm_inputs import Gemma3MultiModalProcessor
+
+        return Gemma3MultiModalProcessor(hf_config, model_path, tokenizer)
+    return MultiModalProcessor(hf_config, model_path, max_model_len, video_pruning_rate)
+
+
 def content_hash(item: MediaInput) -> str:
     """What identifies an item's encoder output: modality, grid, timing and pixel values."""
     h = hashlib.sha256(f"{item.modality}:{item.grid_thw}:{item.second_per_grid_t}".encode())

@@ -13,8 +13,8 @@ in fp32 (exp2 domain). With SPLIT_KV (flash decoding) each of `num_splits` progr
 contiguous share of its tiles and writes unnormalised partials that `split_kv.reduce_splits`
 combines.
 
-Visibility of key j to the query at position i: j < seq_len and either (j <= i and i - j <
-window) or both i and j lie in the request's bidirectional span [start, end).
+Visibility of key j to the query at position i: j < seq_len, i - j < window, and either j <= i
+or both i and j lie in the request's bidirectional span [start, end).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def _attention_kernel(
         span_lo = tl.where(is_real, tl.load(bidi_ptr + 2 * last_req), 0)
         span_hi = tl.where(is_real, tl.load(bidi_ptr + 2 * last_req + 1), 0)
         overlaps = (span_lo < span_hi) & (span_lo <= last_pos) & (first_pos < span_hi)
+        # Later keys of the span become visible; earlier ones stay bounded by the window.
         kv_hi = tl.where(overlaps, tl.minimum(seq_len, tl.maximum(kv_hi, span_hi)), kv_hi)
-        kv_lo = tl.where(overlaps, tl.minimum(kv_lo, span_lo), kv_lo)
         q_in_span = (q_pos >= span_lo) & (q_pos < span_hi)
     kv_hi = tl.maximum(kv_hi, 0)
     tile_lo = kv_lo // TILE_N
@@ -191,11 +191,11 @@ def _attention_kernel(
             s = s * (scale * LOG2E)
         diff = q_pos[:, None] - offs_n[None, :]
         visible = diff >= 0
-        if USE_WINDOW:
-            visible = visible & (diff < window)
         if HAS_BIDI:
             k_in_span = (offs_n >= span_lo) & (offs_n < span_hi)
             visible = visible | (q_in_span[:, None] & k_in_span[None, :])
+        if USE_WINDOW:  # after the span: the window bounds its keys too (as transformers)
+            visible = visible & (diff < window)
         visible = visible & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
 

@@ -2,7 +2,8 @@
 
 `state_kind` (from the model registry) -> the ModelState class: "default" (1-D rope text
 models), "mrope" (Qwen-VL: M-RoPE positions, vision encoder outputs merged into the
-embeddings; with video_pruning_rate > 0 the EVS pruning state). Kinds planned next:
+embeddings; with video_pruning_rate > 0 the EVS pruning state), "gemma3_mm" (Gemma 3 VLM:
+1-D positions, image embeddings merged, bidirectional image spans). Kinds planned next:
 "mamba_hybrid" (recurrent state slots), "pooling" (encoder-only).
 """
 
@@ -14,12 +15,14 @@ import torch
 from torch import nn
 
 from tinyvllm.runner.model_states.default import DefaultModelState
+from tinyvllm.runner.model_states.gemma3_mm import Gemma3MMModelState
 from tinyvllm.runner.model_states.interface import ModelInputs, ModelState
 from tinyvllm.runner.model_states.mrope import MRopeModelState
 from tinyvllm.runner.model_states.video_pruning import VideoPruningModelState
 
 __all__ = [
     "DefaultModelState",
+    "Gemma3MMModelState",
     "MRopeModelState",
     "ModelInputs",
     "ModelState",
@@ -28,7 +31,9 @@ __all__ = [
     "model_state_class",
 ]
 
-_KINDS = MappingProxyType({"default": DefaultModelState, "mrope": MRopeModelState})
+_KINDS = MappingProxyType(
+    {"default": DefaultModelState, "gemma3_mm": Gemma3MMModelState, "mrope": MRopeModelState}
+)
 
 
 def model_state_class(state_kind: str) -> type[ModelState]:
