@@ -17,7 +17,8 @@ from tinyvllm.models.loader import iter_safetensors_weights, load_model, resolve
 from tinyvllm.models.registry import get_model_class, resolve_architecture, supported_architectures
 
 SUPPORTED = (
-    "BertModel, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+    "BertModel, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, "
+    "MistralForCausalLM, Qwen2ForCausalLM, "
     "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM"
 )
 
