@@ -157,3 +157,20 @@ def tiny_model_dir_gemma(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir
     from fixtures import build_tiny_checkpoint
 
     return build_tiny_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3_text"), tokenizer_dir)
+
+
+def test_chat_content_parts(vlm_dir: Path) -> None:
+    llm = make_llm(vlm_dir)
+    template = (
+        "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+        "<end_of_turn>\n{% endfor %}<start_of_turn>model"
+    )
+    parts = [{"type": "image", "image": IMAGES[0]}, {"type": "text", "text": "What is it?"}]
+    chat = llm.chat([{"role": "user", "content": parts}], params(None), chat_template=template)
+    text = "<start_of_turn>user\n<start_of_image>What is it?<end_of_turn>\n<start_of_turn>model"
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)  # as chat() encodes
+    direct = llm.generate(
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGES[0]}}, params(None)
+    )
+    assert chat[0].prompt_token_ids == direct[0].prompt_token_ids
+    assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids

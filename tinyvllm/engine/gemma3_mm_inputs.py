@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ def _token_id(config: Any, name: str) -> int:
 
 class Gemma3MultiModalProcessor:
     enabled = True
+    # One image's text in a chat message (Gemma's chat template writes the same for an image
+    # part).
+    placeholders: Mapping[str, str] = MappingProxyType({"image": "<start_of_image>"})
 
     def __init__(self, hf_config: Any, model_path: str, tokenizer: Any) -> None:
         vision = hf_config.vision_config

@@ -30,6 +30,7 @@ from tinyvllm.multimodal.qwen_vl_processing import (
     video_grid_thw,
 )
 from tinyvllm.request import MultiModalFeature
+from tinyvllm.utils.content_parts import PLACEHOLDERS
 
 _MODALITIES = ("image", "video")
 # Frames sampled (spread over the clip) from a video file unless its metadata says otherwise:
@@ -45,6 +46,7 @@ class MultiModalProcessor:
     ) -> None:
         vision = getattr(hf_config, "vision_config", None)
         self.enabled = vision is not None
+        self.placeholders = PLACEHOLDERS  # one item's text in a chat message
         self.max_model_len = max_model_len
         self.pruning_rate = video_pruning_rate
         if not self.enabled:

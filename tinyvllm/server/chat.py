@@ -58,7 +58,10 @@ def render_prompt(
             "--chat-template FILE or use /v1/completions"
         )
     flat, media = chat_messages(
-        [m.model_dump(exclude_none=True) for m in messages], state.accepts_media, state.model_name
+        [m.model_dump(exclude_none=True) for m in messages],
+        state.accepts_media,
+        state.model_name,
+        state.placeholders,
     )
     text = render_chat_template(
         tokenizer,
