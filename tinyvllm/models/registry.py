@@ -38,7 +38,9 @@ _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
         "BertModel": ModelEntry(_BERT, "BertModel", runners=("pooling",)),
         "Gemma3ForCausalLM": ModelEntry("tinyvllm.models.gemma3", "Gemma3ForCausalLM"),
         "Gemma3ForConditionalGeneration": ModelEntry(
-            "tinyvllm.models.gemma3_mm", "Gemma3ForConditionalGeneration", "gemma3_mm",
+            "tinyvllm.models.gemma3_mm",
+            "Gemma3ForConditionalGeneration",
+            "gemma3_mm",
             runners=("generate",),
         ),
         "LlamaForCausalLM": ModelEntry(_LLAMA, "LlamaForCausalLM"),
