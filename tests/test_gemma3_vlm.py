@@ -68,16 +68,27 @@ def hf_reference(hf: Any, ids: list[int], images: list[np.ndarray]) -> tuple[lis
 
 def check_against_hf(hf: Any, output: Any, images: list[np.ndarray]) -> None:
     ids = output.prompt_token_ids
-    tokens, logp = hf_reference(hf, ids, images)
-    assert output.outputs[0].token_ids == tokens
-    for pos in range(1, len(ids)):  # every prompt position, image spans included
-        ours = output.prompt_logprobs[pos][ids[pos]].logprob
-        assert abs(ours - float(logp[pos - 1, ids[pos]])) < 1e-3, pos
+    prompt_lps = [output.prompt_logprobs[pos][ids[pos]].logprob for pos in range(1, len(ids))]
+    check_ids_against_hf(hf, ids, list(output.outputs[0].token_ids), prompt_lps, images)
 
 
-def test_matches_hf_and_batches_text(vlm_dir: Path) -> None:
+def check_ids_against_hf(
+    hf: Any, ids: list[int], tokens: list[int], prompt_lps: list[float], images: list[np.ndarray]
+) -> None:
+    """Greedy tokens identical, every prompt position's logprob (image spans included)
+    within 1e-3."""
+    want, logp = hf_reference(hf, ids, images)
+    assert tokens == want
+    for pos in range(1, len(ids)):
+        assert abs(prompt_lps[pos - 1] - float(logp[pos - 1, ids[pos]])) < 1e-3, pos
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["torch", "native"])
+def test_matches_hf_and_batches_text(vlm_dir: Path, eager: bool) -> None:
+    """Through the torch backend, and (not eager) the native CPU backend and decode program:
+    image steps run the torch plan, text decodes the native program."""
     hf = hf_model(vlm_dir)
-    llm = make_llm(vlm_dir)
+    llm = make_llm(vlm_dir, enforce_eager=eager)
     prompts = [
         {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
         "Plain text only here",
@@ -174,3 +185,46 @@ def test_chat_content_parts(vlm_dir: Path) -> None:
     )
     assert chat[0].prompt_token_ids == direct[0].prompt_token_ids
     assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+
+
+_TRITON_RUN = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from gemma3_vlm_fixtures import random_image
+from tinyvllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", attention_backend="triton", enforce_eager=True,
+          max_model_len=256, max_num_batched_tokens=8, kv_cache_memory_bytes=2**22)
+assert llm.engine.runner.backend.name == "triton"
+images = [random_image(40, 50, seed=1), random_image(32, 32, seed=2)]
+prompt = {"prompt": sys.argv[3], "multi_modal_data": {"image": images}}
+params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0)
+out = llm.generate([prompt, "Plain text only here"], params)
+rows = []
+for o in out:
+    ids = o.prompt_token_ids
+    lps = [o.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
+    rows.append([ids, list(o.outputs[0].token_ids), lps])
+print("RESULT" + json.dumps(rows))
+"""
+
+
+@pytest.mark.slow
+def test_triton_backend_in_the_interpreter(vlm_dir: Path) -> None:
+    """The Triton kernel's bidirectional spans with per-layer windows (Triton's CPU
+    interpreter), chunked by an 8-token budget, against HF."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = str(Path(__file__).parent)
+    cmd = [sys.executable, "-c", _TRITON_RUN, str(vlm_dir), here, TWO_IMAGES]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(result.stdout.split("RESULT", 1)[1])
+    hf = hf_model(vlm_dir)
+    for (ids, tokens, lps), images in zip(rows, [IMAGES, []], strict=True):
+        check_ids_against_hf(hf, ids, tokens, lps, images)
