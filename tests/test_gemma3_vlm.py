@@ -228,3 +228,18 @@ def test_triton_backend_in_the_interpreter(vlm_dir: Path) -> None:
     hf = hf_model(vlm_dir)
     for (ids, tokens, lps), images in zip(rows, [IMAGES, []], strict=True):
         check_ids_against_hf(hf, ids, tokens, lps, images)
+
+
+def test_cli_generate_with_image(vlm_dir: Path, tmp_path: Path, capsys: Any) -> None:
+    """`--image` puts the model's own placeholder (<start_of_image>) before the prompt."""
+    from tinyvllm.cli import main
+
+    png = tmp_path / "picture.png"
+    Image.fromarray(IMAGES[0]).save(png)
+    argv = ["generate", "-m", str(vlm_dir), "--dtype", "float32", "--max-model-len", "256"]
+    assert main([*argv, "--max-tokens", "4", "--image", str(png), " describe it"]) == 0
+    printed = capsys.readouterr().out.strip()
+    llm = make_llm(vlm_dir)
+    prompt = {"prompt": "<start_of_image> describe it", "multi_modal_data": {"image": IMAGES[0]}}
+    ref = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    assert printed == ref[0].outputs[0].text.strip()

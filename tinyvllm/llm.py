@@ -120,7 +120,7 @@ class LLM:
         prompts: list[PromptType] = []
         for conv in conversations:
             # Content parts (text / image_url / video_url) -> text with placeholders + media.
-            conv, media = split_content_parts(conv, self._placeholders())
+            conv, media = split_content_parts(conv, self.placeholders())
             text = render_chat_template(
                 tokenizer,
                 conv,
@@ -136,7 +136,7 @@ class LLM:
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _placeholders(self) -> Mapping[str, str]:
+    def placeholders(self) -> Mapping[str, str]:
         """The model's text for one image / video in a chat message."""
         processor = getattr(self.engine, "mm_processor", None)
         return getattr(processor, "placeholders", PLACEHOLDERS)
