@@ -70,3 +70,22 @@ def test_torch_backend_bidirectional_with_soft_cap() -> None:
     )
     out, cache = run_torch(case)
     assert max_error(out, reference_attention(case, cache)) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_torch_backend_several_spans_per_request(window: int | None) -> None:
+    """[num_reqs, K, 2] ranges: two images in one chunk, one in a later chunk, none."""
+    gen = torch.Generator().manual_seed(3)
+    spans = [[(2, 6), (8, 13)], [(20, 25), (0, 0)], [(0, 0), (0, 0)]]
+    case = make_case(
+        gen, query_lens=(15, 9, 4), context_lens=(0, 18, 5), block_size=8,
+        sliding_window=window, bidirectional=spans,
+    )  # fmt: skip
+    out, cache = run_torch(case)
+    assert max_error(out, reference_attention(case, cache)) < 1e-5
+    # The second span matters: with the first one alone the result differs.
+    alone = make_case(
+        torch.Generator().manual_seed(3), query_lens=(15, 9, 4), context_lens=(0, 18, 5),
+        block_size=8, sliding_window=window, bidirectional=[[(2, 6)], [(20, 25)], [(0, 0)]],
+    )  # fmt: skip
+    assert max_error(run_torch(alone)[0], out) > 1e-3

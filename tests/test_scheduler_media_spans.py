@@ -1,5 +1,5 @@
 """Scheduling with bidirectional media spans (`atomic_mm_spans`, Gemma 3 images): chunks never
-split a span and hold at most one per request, a span larger than the budget is refused at
+split a span, a span larger than the budget is refused at
 add time, and a prefix-cache hit ending inside a span is rounded down to the span's block."""
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ def chunks(scheduler, rid: str) -> list[tuple[int, int]]:  # type: ignore[no-unt
     return out
 
 
-def test_chunks_keep_spans_whole_and_one_per_step() -> None:
+def test_chunks_keep_spans_whole() -> None:
     s = make_scheduler(64, max_num_batched_tokens=8, atomic_mm_spans=True)
     s.add_request(image_request("a", [(3, 4), (8, 2), (14, 5)], 22, "img"))
+    # [8, 10) and the text after it share a chunk; [14, 19) would be cut at 16: stop before.
     assert chunks(s, "a") == [(0, 8), (8, 14), (14, 22)]
+    s = make_scheduler(64, max_num_batched_tokens=12, atomic_mm_spans=True)
+    s.add_request(image_request("b", [(1, 3), (5, 4), (10, 5)], 20, "img"))
+    assert chunks(s, "b") == [(0, 10), (10, 20)]  # two whole spans in the first chunk
 
 
 def test_without_atomic_spans_chunks_split_them() -> None:

@@ -236,20 +236,14 @@ class Scheduler:
         return True
 
     def _fit_spans(self, request: Request, num_new: int) -> int:
-        """`num_new` cut so that the chunk splits no media span and holds at most one
-        (`atomic_mm_spans`); 0 when the next span does not fit in `num_new`."""
+        """`num_new` cut so that the chunk splits no media span (`atomic_mm_spans`): it ends
+        before the first span it would cut; 0 when that span starts the chunk."""
         if not self.config.atomic_mm_spans:
             return num_new
         start = request.num_computed_tokens
         end = start + num_new
-        held = 0
-        for f in sorted(request.mm_features, key=lambda f: f.offset):
-            if f.end <= start or f.offset >= end:
-                continue
-            if f.end > end or held or f.offset < start:
-                return max(0, f.offset - start)
-            held += 1
-        return num_new
+        cut = [f.offset for f in request.mm_features if f.offset < end < f.end]
+        return max(0, min(cut) - start) if cut else num_new
 
     def _round_hit(self, request: Request, hits: list[int]) -> list[int]:
         """A prefix-cache hit ending inside a media span, rounded down to the block where the

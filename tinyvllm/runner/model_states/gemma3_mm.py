@@ -3,11 +3,11 @@ merged into the token embeddings, bidirectional attention inside each image's to
 
 The encoder cache and the merge are the M-RoPE state's (`mrope.py`), without M-RoPE: the
 positions are the token indices, so text-only steps keep the fast paths (native decode
-program, CUDA graphs). For each request whose scheduled tokens hold an image span, the step's
-`bidirectional_ranges` carries [offset, end) of that span: every backend lets a query in the
-span see every key of the span (transformers' token_type_ids block mask; in sliding layers the
-window still applies). The scheduler keeps each span whole inside one chunk and puts at most
-one span of a request in a step, so one range per request suffices.
+program, CUDA graphs). For the image spans each request's scheduled tokens hold, the step's
+`bidirectional_ranges` ([num_reqs, K, 2]) carries [offset, end) of each image span the
+request's step holds: every backend lets a query in a span see every key of that span
+(transformers' token_type_ids block mask; in sliding layers the window still applies). The
+scheduler keeps each span whole inside one chunk.
 """
 
 from __future__ import annotations
@@ -54,25 +54,25 @@ class Gemma3MMModelState(MRopeModelState):
         return ModelInputs(torch.zeros_like(positions), positions, metadata)
 
     def _ranges(self, batch: InputBatch) -> torch.Tensor | None:
-        """[num_reqs, 2] int32: the image span each request's scheduled tokens hold (0, 0:
-        none); None when no request's tokens reach an image."""
+        """[num_reqs, K, 2] int32: the image spans each request's scheduled tokens hold ((0,
+        0) padding); None when no request's tokens reach an image."""
         if not self.rows:
             return None
         qsl = batch.attn_metadata.query_start_loc_cpu
         index = batch.positions.cpu()
-        ranges: list[tuple[int, int]] = []
-        found = False
+        per_req: list[list[tuple[int, int]]] = []
         for i, row in enumerate(batch.rows.tolist()):
             state = self.rows.get(row)
-            span = (0, 0)
+            spans: list[tuple[int, int]] = []
             if state is not None and qsl[i + 1] > qsl[i]:
                 first, last = int(index[qsl[i]]), int(index[qsl[i + 1] - 1]) + 1
-                span = _one_span(state.features, first, last)
-            found |= span != (0, 0)
-            ranges.append(span)
-        if not found:
+                spans = _spans_within(state.features, first, last)
+            per_req.append(spans)
+        k = max(map(len, per_req), default=0)
+        if k == 0:
             return None
-        return torch.tensor(ranges, dtype=torch.int32, device=self.device)
+        padded = [spans + [(0, 0)] * (k - len(spans)) for spans in per_req]
+        return torch.tensor(padded, dtype=torch.int32, device=self.device)
 
     def _encode_missing(self, features: list[MultiModalFeature]) -> bool:
         """Run the vision tower and projector once over every image not cached yet."""
@@ -89,15 +89,15 @@ class Gemma3MMModelState(MRopeModelState):
         return False
 
 
-def _one_span(features: list[MultiModalFeature], first: int, last: int) -> tuple[int, int]:
-    """The image span inside the scheduled tokens [first, last); RuntimeError when the
-    scheduler broke its promise (a span cut by the chunk, or two spans in one step)."""
+def _spans_within(
+    features: list[MultiModalFeature], first: int, last: int
+) -> list[tuple[int, int]]:
+    """The image spans inside the scheduled tokens [first, last); RuntimeError when the
+    scheduler broke its promise (a span cut by the chunk)."""
     spans = [(f.offset, f.end) for f in features if f.offset < last and f.end > first]
     for lo, hi in spans:
         if lo < first or hi > last:
             raise RuntimeError(
                 f"image span [{lo}, {hi}) is split by the scheduled tokens [{first}, {last})"
             )
-    if len(spans) > 1:
-        raise RuntimeError(f"scheduled tokens [{first}, {last}) hold {len(spans)} image spans")
-    return spans[0] if spans else (0, 0)
+    return spans
