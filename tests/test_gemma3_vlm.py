@@ -243,3 +243,27 @@ def test_cli_generate_with_image(vlm_dir: Path, tmp_path: Path, capsys: Any) -> 
     prompt = {"prompt": "<start_of_image> describe it", "multi_modal_data": {"image": IMAGES[0]}}
     ref = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0))
     assert printed == ref[0].outputs[0].text.strip()
+
+
+def test_expanded_prompt_ids_and_pan_and_scan(vlm_dir: Path, tmp_path: Path) -> None:
+    """Token ids already expanded (as the engine returns them) are kept as they are; a
+    checkpoint asking for pan and scan is refused with the fix."""
+    import json
+    import shutil
+
+    llm = make_llm(vlm_dir)
+    image = {"image": IMAGES[0]}
+    first = llm.generate({"prompt": IMAGE_PROMPT, "multi_modal_data": image}, params())
+    ids = first[0].prompt_token_ids
+    again = llm.generate({"prompt_token_ids": ids, "multi_modal_data": image}, params())
+    assert again[0].prompt_token_ids == ids
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    eoi = ids.index(llm.engine.mm_processor.eoi)
+    cut = ids[: eoi - 1] + ids[eoi:]  # one image token fewer
+    with pytest.raises(ValueError, match="image 0 has 3 image tokens"):
+        llm.generate({"prompt_token_ids": cut, "multi_modal_data": image})
+    copy = Path(shutil.copytree(vlm_dir, tmp_path / "pan_and_scan"))
+    config = json.loads((copy / "preprocessor_config.json").read_text())
+    (copy / "preprocessor_config.json").write_text(json.dumps(config | {"do_pan_and_scan": True}))
+    with pytest.raises(ValueError, match="do_pan_and_scan=true is not supported"):
+        make_llm(copy)

@@ -250,7 +250,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 def _canonical_name(name: str) -> str:
     """transformers v5 (`model.language_model.layers...`) and the hub's v4 layout
     (`language_model.model.layers...`, `vision_tower.vision_model...`) -> one naming."""
-    name = name.removeprefix("model.") if not name.startswith("model.layers.") else name
+    name = name.removeprefix("model.")
     if name.startswith("language_model."):
         rest = name.removeprefix("language_model.")
         if rest.startswith("lm_head."):
