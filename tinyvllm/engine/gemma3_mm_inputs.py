@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tinyvllm.engine.mm_inputs import content_hash
 from tinyvllm.models.qwen2_5_vl import MediaInput
 from tinyvllm.multimodal.gemma3_processing import Gemma3ImageConfig, process_image
 from tinyvllm.multimodal.media import load_image
@@ -77,7 +78,7 @@ class Gemma3MultiModalProcessor:
             else:
                 out += [*self.newlines, self.boi]
                 index = site + 1
-            identifier = _content_hash(item)
+            identifier = content_hash(item)
             features.append(MultiModalFeature("image", identifier, len(out), n, item))
             out += [self.image] * n + [self.eoi]
             if index == site + 1:
@@ -117,9 +118,3 @@ class Gemma3MultiModalProcessor:
         pixels = process_image(item, self.cfg, f"image {index}")
         side = self.cfg.size
         return MediaInput("image", torch.from_numpy(pixels), (1, side, side))
-
-
-def _content_hash(item: MediaInput) -> str:
-    from tinyvllm.engine.mm_inputs import content_hash
-
-    return content_hash(item)
