@@ -3,11 +3,10 @@ merged into the token embeddings, bidirectional attention inside each image's to
 
 The encoder cache and the merge are the M-RoPE state's (`mrope.py`), without M-RoPE: the
 positions are the token indices, so text-only steps keep the fast paths (native decode
-program, CUDA graphs). For the image spans each request's scheduled tokens hold, the step's
-`bidirectional_ranges` ([num_reqs, K, 2]) carries [offset, end) of each image span the
-request's step holds: every backend lets a query in a span see every key of that span
-(transformers' token_type_ids block mask; in sliding layers the window still applies). The
-scheduler keeps each span whole inside one chunk.
+program, CUDA graphs). The step's `bidirectional_ranges` ([num_reqs, K, 2]) carries
+[offset, end) of each image span a request's scheduled tokens hold: every backend lets a query
+in a span see every key of that span (transformers' token_type_ids block mask; in sliding
+layers the window still applies). The scheduler keeps each span whole inside one chunk.
 """
 
 from __future__ import annotations
