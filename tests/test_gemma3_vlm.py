@@ -267,3 +267,27 @@ def test_expanded_prompt_ids_and_pan_and_scan(vlm_dir: Path, tmp_path: Path) -> 
     (copy / "preprocessor_config.json").write_text(json.dumps(config | {"do_pan_and_scan": True}))
     with pytest.raises(ValueError, match="do_pan_and_scan=true is not supported"):
         make_llm(copy)
+
+
+def test_preemption_matches_hf(vlm_dir: Path) -> None:
+    """Requests preempted and recomputed (their images re-encoded or taken from the encoder
+    cache) give HF's tokens."""
+    hf = hf_model(vlm_dir)
+    llm = make_llm(vlm_dir, num_gpu_blocks_override=12, block_size=4, max_model_len=40)
+    many = SamplingParams(max_tokens=16, temperature=0.0)
+    prompts = [
+        {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": IMAGES[0]}},
+        {"prompt": TWO_IMAGES, "multi_modal_data": {"image": IMAGES}},
+        {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": IMAGES[1]}},
+    ]
+    outs = llm.generate(prompts, many, use_tqdm=False)
+    assert llm.get_stats().total_preemptions > 0
+    for out, images in zip(outs, [IMAGES[:1], IMAGES, IMAGES[1:]], strict=True):
+        t = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            want = hf.generate(
+                input_ids=t, attention_mask=torch.ones_like(t), pixel_values=hf_pixels(images),
+                token_type_ids=(t == hf.config.image_token_id).long(), max_new_tokens=16,
+                do_sample=False,
+            )  # fmt: skip
+        assert out.outputs[0].token_ids == want[0, t.shape[1] :].tolist()
