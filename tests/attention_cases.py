@@ -51,7 +51,8 @@ def make_case(
     device: str | torch.device = "cpu",
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    bidirectional: Sequence[tuple[int, int]] | None = None,
+    # One span per request, or (a list per request) several: [num_reqs, K, 2] ranges.
+    bidirectional: Sequence[tuple[int, int] | list[tuple[int, int]]] | None = None,
     pad_reqs: int = 0,
     pad_tokens: int = 0,
     spare_blocks: int = 3,
@@ -82,8 +83,14 @@ def make_case(
 
     ranges = None
     if bidirectional is not None:
-        spans = list(bidirectional) + [(0, 0)] * pad_reqs
-        ranges = torch.tensor(spans, dtype=torch.int32, device=device)
+        if any(isinstance(b, list) for b in bidirectional):
+            k = max(len(b) for b in bidirectional if isinstance(b, list))
+            lists = [b if isinstance(b, list) else [b] for b in bidirectional]
+            rows_k = [b + [(0, 0)] * (k - len(b)) for b in lists] + [[(0, 0)] * k] * pad_reqs
+            ranges = torch.tensor(rows_k, dtype=torch.int32, device=device)
+        else:
+            spans = list(bidirectional) + [(0, 0)] * pad_reqs
+            ranges = torch.tensor(spans, dtype=torch.int32, device=device)
     metadata = AttentionMetadata(
         num_reqs=len(query_lens) + pad_reqs,
         num_actual_tokens=num_real,
@@ -118,7 +125,10 @@ def reference_attention(case: Case, cache: torch.Tensor) -> torch.Tensor:
     group = layer.num_heads // layer.num_kv_heads
     bs = md.block_size
     qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
-    ranges = md.bidirectional_ranges.tolist() if md.bidirectional_ranges is not None else None
+    ranges = md.bidirectional_ranges
+    if ranges is not None and ranges.dim() == 2:
+        ranges = ranges[:, None]
+    ranges = ranges.tolist() if ranges is not None else None
     out = torch.zeros(case.num_real_tokens, layer.num_heads, layer.head_dim, dtype=torch.float64)
     for r in range(md.num_reqs):
         q_len, seq_len = qsl[r + 1] - qsl[r], seq_lens[r]
@@ -134,13 +144,13 @@ def reference_attention(case: Case, cache: torch.Tensor) -> torch.Tensor:
         q_pos = torch.arange(seq_len - q_len, seq_len)
         diff = q_pos[:, None] - pos[None, :]
         visible = diff >= 0
-        if layer.sliding_window is not None:
-            visible &= diff < layer.sliding_window
-        if ranges is not None:
-            start, end = ranges[r]
+        for start, end in ranges[r] if ranges is not None else ():
             q_in = (q_pos >= start) & (q_pos < end)
             k_in = (pos >= start) & (pos < end)
             visible |= q_in[:, None] & k_in[None, :]
+        # transformers' Gemma 3 sliding mask: the window bounds the span's keys too.
+        if layer.sliding_window is not None:
+            visible &= diff < layer.sliding_window
         scores = q @ k.transpose(1, 2) * layer.scale
         if layer.logits_soft_cap:
             scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap

@@ -23,7 +23,7 @@ def run_torch(case) -> tuple[torch.Tensor, torch.Tensor]:
         ((12,), (0,), [(3, 9)], None),  # fresh prompt: SDPA fast path must give way
         ((10, 7), (16, 0), [(18, 24), (0, 7)], None),  # span in a later chunk; whole prompt
         ((9, 1), (5, 30), [(5, 14), (2, 20)], None),  # a decode after its span: unaffected
-        ((12,), (0,), [(2, 11)], 3),  # the span overrides the window inside it
+        ((12,), (0,), [(2, 11)], 3),  # later span keys within the window become visible
         ((6,), (4,), [(4, 20)], None),  # span end past seq_len: keys stop at the context
         ((8, 5), (0, 0), [(0, 0), (1, 2)], None),  # empty and one-token spans: plain causal
     ],
@@ -70,3 +70,22 @@ def test_torch_backend_bidirectional_with_soft_cap() -> None:
     )
     out, cache = run_torch(case)
     assert max_error(out, reference_attention(case, cache)) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_torch_backend_several_spans_per_request(window: int | None) -> None:
+    """[num_reqs, K, 2] ranges: two images in one chunk, one in a later chunk, none."""
+    gen = torch.Generator().manual_seed(3)
+    spans = [[(2, 6), (8, 13)], [(20, 25), (0, 0)], [(0, 0), (0, 0)]]
+    case = make_case(
+        gen, query_lens=(15, 9, 4), context_lens=(0, 18, 5), block_size=8,
+        sliding_window=window, bidirectional=spans,
+    )  # fmt: skip
+    out, cache = run_torch(case)
+    assert max_error(out, reference_attention(case, cache)) < 1e-5
+    # The second span matters: with the first one alone the result differs.
+    alone = make_case(
+        torch.Generator().manual_seed(3), query_lens=(15, 9, 4), context_lens=(0, 18, 5),
+        block_size=8, sliding_window=window, bidirectional=[[(2, 6)], [(20, 25)], [(0, 0)]],
+    )  # fmt: skip
+    assert max_error(run_torch(alone)[0], out) > 1e-3

@@ -17,8 +17,9 @@ from tinyvllm.models.loader import iter_safetensors_weights, load_model, resolve
 from tinyvllm.models.registry import get_model_class, resolve_architecture, supported_architectures
 
 SUPPORTED = (
-    "BertModel, Gemma3ForCausalLM, GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, "
-    "LlamaForCausalLM, MistralForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM, "
+    "BertModel, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, "
+    "GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+    "NemotronHForCausalLM, Qwen2ForCausalLM, "
     "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM"
 )
 

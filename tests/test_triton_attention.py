@@ -209,6 +209,23 @@ def test_bidirectional_ranges(triton_attn: ModuleType, num_splits: int) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_several_bidirectional_spans_per_request(triton_attn: ModuleType, num_splits: int) -> None:
+    """[num_reqs, K, 2] ranges: two spans in one chunk (one crossing a query block), one in a
+    later chunk, a decode after its spans, none."""
+    gen = torch.Generator().manual_seed(13)
+    case = make_case(
+        gen,
+        query_lens=(40, 9, 1, 12),
+        context_lens=(0, 16, 30, 0),
+        block_size=8,
+        sliding_window=6,
+        bidirectional=[[(3, 17), (20, 37)], [(17, 24)], [(4, 20), (22, 28)], [(0, 0)]],
+    )
+    check(triton_attn, case, num_splits=num_splits)
+
+
+@interpreted
 def test_key_range_bounds(triton_attn: ModuleType) -> None:
     """Query blocks whose visible keys start or end tiles away from their own positions: a
     window's start moving across tiles within one block, and a span reaching keys far after

@@ -9,6 +9,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from tinyvllm.sampling_params import SamplingParams
 
 
@@ -167,7 +169,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ]
         outputs = llm.chat(conversations, params)
     elif media:
-        outputs = llm.generate([_media_prompt(p, media) for p in prompts], params)
+        placeholders = llm.placeholders()
+        outputs = llm.generate([_media_prompt(p, media, placeholders) for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -192,15 +195,15 @@ def _media_parts(media: dict[str, list[str]]) -> list[dict[str, Any]]:
     ]
 
 
-def _media_prompt(prompt: str, media: dict[str, list[str]]) -> dict[str, Any]:
-    """A plain prompt with --image / --video files: their placeholders go first unless the
-    prompt already places them."""
-    from tinyvllm.utils.content_parts import PLACEHOLDERS
-
+def _media_prompt(
+    prompt: str, media: dict[str, list[str]], placeholders: Mapping[str, str]
+) -> dict[str, Any]:
+    """A plain prompt with --image / --video files: their placeholders (the model's) go first
+    unless the prompt already places them."""
     head = "".join(
-        PLACEHOLDERS[kind] * len(paths)
+        placeholders[kind] * len(paths)
         for kind, paths in media.items()
-        if PLACEHOLDERS[kind] not in prompt
+        if kind in placeholders and placeholders[kind] not in prompt
     )
     return {"prompt": head + prompt, "multi_modal_data": media}
 

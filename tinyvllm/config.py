@@ -113,6 +113,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # Extra slots each request's blocks must cover beyond its scheduled tokens (draft models).
     num_lookahead_tokens: int = 0
+    # Media spans attended bidirectionally (Gemma 3 images): a chunk never splits one, and a
+    # prefix-cache hit never ends inside one.
+    atomic_mm_spans: bool = False
 
 
 @dataclass

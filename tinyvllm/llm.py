@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +21,7 @@ from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.stats import EngineStats
 from tinyvllm.utils.chat_template import render_chat_template
-from tinyvllm.utils.content_parts import split_content_parts
+from tinyvllm.utils.content_parts import PLACEHOLDERS, split_content_parts
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class LLM:
         prompts: list[PromptType] = []
         for conv in conversations:
             # Content parts (text / image_url / video_url) -> text with placeholders + media.
-            conv, media = split_content_parts(conv)
+            conv, media = split_content_parts(conv, self.placeholders())
             text = render_chat_template(
                 tokenizer,
                 conv,
@@ -135,6 +135,11 @@ class LLM:
                 prompt["multi_modal_data"] = media
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def placeholders(self) -> Mapping[str, str]:
+        """The model's text for one image / video in a chat message."""
+        processor = getattr(self.engine, "mm_processor", None)
+        return getattr(processor, "placeholders", PLACEHOLDERS)
 
     def embed(
         self,

@@ -41,9 +41,11 @@ class AttentionMetadata:
     block_size: int
     # Backend-private plan, built once per step by `AttentionBackend.plan`.
     plan: Any = field(default=None)
-    # [num_reqs, 2] int32 absolute positions [start, end) per request (start == end: none):
-    # a query and a key both inside the span see each other regardless of order (multimodal
-    # prefix spans), still limited to keys < seq_len. The runner schedules a span in one chunk.
+    # [num_reqs, 2] or [num_reqs, K, 2] int32 absolute positions [start, end) of up to K
+    # disjoint spans per request (start == end: none): a query and a key inside the same span
+    # see each other regardless of order (multimodal prefix spans), still limited to keys <
+    # seq_len and, in sliding-window layers, to the window. The scheduler keeps a span in one
+    # chunk.
     bidirectional_ranges: torch.Tensor | None = None
     # Hybrid models: state slots of the batch's requests for the recurrent (mixer) layers.
     recurrent: RecurrentMetadata | None = None

@@ -23,8 +23,8 @@ class _PrefillSpan:
     end: int
     context_len: int  # tokens already in the cache before this chunk
     block_ids: torch.Tensor  # blocks covering the whole context incl. this chunk
-    # Bidirectional span [start, end) when it lets some query of this chunk see a later key.
-    bidirectional: tuple[int, int] | None = None
+    # Bidirectional spans [start, end) that let some query of this chunk see a later key.
+    bidirectional: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -72,11 +72,7 @@ class TorchAttentionBackend(AttentionBackend):
         qsl = metadata.query_start_loc_cpu
         seq_lens = metadata.seq_lens_cpu
         bs = metadata.block_size
-        ranges = (
-            metadata.bidirectional_ranges.tolist()
-            if metadata.bidirectional_ranges is not None
-            else None
-        )
+        ranges = _span_lists(metadata.bidirectional_ranges)
         decode_rows: list[int] = []
         prefills: list[_PrefillSpan] = []
         for i in range(metadata.num_reqs):
@@ -92,10 +88,13 @@ class TorchAttentionBackend(AttentionBackend):
                     qsl[i], qsl[i + 1], context_len, metadata.block_table[i, :nb].long()
                 )
                 if ranges is not None:
-                    start, end = ranges[i]
-                    # Some query in the span must have a later key in the span and context.
-                    if max(start, context_len) < min(end, seq_lens[i]) - 1:
-                        span.bidirectional = (start, end)
+                    # Some query in a span must have a later key in the span and context.
+                    effective = [
+                        (start, end)
+                        for start, end in ranges[i]
+                        if max(start, context_len) < min(end, seq_lens[i]) - 1
+                    ]
+                    span.bidirectional = effective or None
                 prefills.append(span)
         decode_rows.sort(key=lambda i: seq_lens[i])
         groups: list[_DecodeGroup] = []
@@ -190,13 +189,14 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(k.shape[1], device=q.device)
             diff = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
             mask = diff >= 0
-            if layer.sliding_window is not None:
-                mask &= diff < layer.sliding_window
-            if span.bidirectional is not None:
-                start, end = span.bidirectional
+            for start, end in span.bidirectional or ():
                 q_in = (q_pos >= start) & (q_pos < end)
                 k_in = (k_pos >= start) & (k_pos < end)
                 mask |= q_in.unsqueeze(1) & k_in.unsqueeze(0)
+            # The window bounds the span's keys too (transformers' Gemma 3 sliding mask:
+            # AND(window, OR(causal, same image))).
+            if layer.sliding_window is not None:
+                mask &= diff < layer.sliding_window
             if layer.logits_soft_cap:
                 bias = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
                 bias.masked_fill_(~mask, float("-inf"))
@@ -248,3 +248,14 @@ class TorchAttentionBackend(AttentionBackend):
         assert cap is not None
         scores = torch.tanh(scores / cap) * cap + mask
         return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def _span_lists(ranges: torch.Tensor | None) -> list[list[tuple[int, int]]] | None:
+    """Per request, its bidirectional spans: `ranges` is [num_reqs, 2] (one span each) or
+    [num_reqs, K, 2] (up to K, (0, 0) padding)."""
+    if ranges is None:
+        return None
+    rows = ranges.tolist()
+    if ranges.dim() == 2:
+        return [[(start, end)] for start, end in rows]
+    return [[(start, end) for start, end in row] for row in rows]

@@ -22,7 +22,7 @@ from tinyvllm.chat.defaults import default_chat_params
 from tinyvllm.engine.engine import check_text
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.utils.chat_template import render_chat_template
-from tinyvllm.utils.content_parts import split_content_parts
+from tinyvllm.utils.content_parts import PLACEHOLDERS, split_content_parts
 
 if TYPE_CHECKING:
     from tinyvllm.engine.async_llm import AsyncLLM
@@ -180,7 +180,10 @@ class ChatSession:
         if isinstance(text, str):
             message["content"] = check_text(text, "the message")
         else:
-            [flat], media = split_content_parts([{"role": "user", "content": text}])
+            processor = getattr(self.llm.engine, "mm_processor", None)
+            placeholders = getattr(processor, "placeholders", PLACEHOLDERS)
+            user = {"role": "user", "content": text}
+            [flat], media = split_content_parts([user], placeholders)
             message["content"] = check_text(flat["content"], "the message")
             if media:
                 message["media"] = media

@@ -75,6 +75,16 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if self.config.atomic_mm_spans:
+            budget = self.config.max_num_batched_tokens
+            for f in request.mm_features:
+                if f.length > budget:
+                    raise ValueError(
+                        f"an {f.modality} of the prompt takes {f.length} tokens, more than "
+                        f"max_num_batched_tokens={budget}; its tokens must run in one step "
+                        f"(bidirectional attention), so raise max_num_batched_tokens to at "
+                        f"least {f.length}"
+                    )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -143,7 +153,7 @@ class Scheduler:
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, plan.budget)
-            num_new = self._align_chunk(request, num_new)
+            num_new = self._fit_spans(request, self._align_chunk(request, num_new))
             if num_new <= 0:
                 i += 1
                 continue
@@ -189,6 +199,7 @@ class Scheduler:
         hits: list[int] = []
         if request.num_computed_tokens == 0:
             hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
+            hits = self._round_hit(request, hits)
             request.num_cached_tokens = request.num_computed_tokens
             if self.kv.waits_for_inflight(request, len(hits), plan.inflight):
                 request.num_computed_tokens = 0
@@ -199,7 +210,10 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return False
             num_new = plan.budget
-        num_new = self._align_chunk(request, num_new)
+        num_new = self._fit_spans(request, self._align_chunk(request, num_new))
+        if num_new <= 0:  # the next image span waits for a step with room for all of it
+            request.num_computed_tokens = 0
+            return False
         new_blocks = self.kv.allocate_slots(
             request, num_new, self._lookahead(request, num_new), computed_blocks=hits
         )
@@ -228,6 +242,28 @@ class Scheduler:
         )
         self._take(plan, request, num_new)
         return True
+
+    def _fit_spans(self, request: Request, num_new: int) -> int:
+        """`num_new` cut so that the chunk splits no media span (`atomic_mm_spans`): it ends
+        before the first span it would cut; 0 when that span starts the chunk."""
+        if not self.config.atomic_mm_spans:
+            return num_new
+        start = request.num_computed_tokens
+        end = start + num_new
+        cut = [f.offset for f in request.mm_features if f.offset < end < f.end]
+        return max(0, min(cut) - start) if cut else num_new
+
+    def _round_hit(self, request: Request, hits: list[int]) -> list[int]:
+        """A prefix-cache hit ending inside a media span, rounded down to the block where the
+        span starts (`atomic_mm_spans`: the span's tokens run in one chunk)."""
+        if not self.config.atomic_mm_spans:
+            return hits
+        n = request.num_computed_tokens
+        for f in request.mm_features:
+            if f.offset < n < f.end:
+                n = f.offset // self.kv.block_size * self.kv.block_size
+        request.num_computed_tokens = n
+        return hits[: n // self.kv.block_size]
 
     def _take(self, plan: _StepPlan, request: Request, num_new: int) -> None:
         plan.num_scheduled[request.request_id] = num_new

@@ -64,11 +64,11 @@ class Engine:
         self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
         self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
         self.stats = StatsCollector()
-        from tinyvllm.engine.mm_inputs import MultiModalProcessor
+        from tinyvllm.engine.mm_inputs import create_mm_processor
 
         mc = config.model
-        self.mm_processor = MultiModalProcessor(
-            mc.hf_config, mc.model_path, mc.max_model_len, mc.video_pruning_rate
+        self.mm_processor = create_mm_processor(
+            mc.hf_config, mc.model_path, mc.max_model_len, mc.video_pruning_rate, tokenizer
         )
         # Whether the latest step scheduled nothing: the same state would schedule nothing
         # again, so a driver should wait for new requests or aborts rather than step again.

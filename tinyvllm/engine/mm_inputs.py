@@ -30,6 +30,7 @@ from tinyvllm.multimodal.qwen_vl_processing import (
     video_grid_thw,
 )
 from tinyvllm.request import MultiModalFeature
+from tinyvllm.utils.content_parts import PLACEHOLDERS
 
 _MODALITIES = ("image", "video")
 # Frames sampled (spread over the clip) from a video file unless its metadata says otherwise:
@@ -45,6 +46,7 @@ class MultiModalProcessor:
     ) -> None:
         vision = getattr(hf_config, "vision_config", None)
         self.enabled = vision is not None
+        self.placeholders = PLACEHOLDERS  # one item's text in a chat message
         self.max_model_len = max_model_len
         self.pruning_rate = video_pruning_rate
         if not self.enabled:
@@ -239,6 +241,18 @@ class MultiModalProcessor:
             f"{fit} frames fit (use fewer or smaller frames, raise max_model_len, or set "
             "video_pruning_rate)"
         )
+
+
+def create_mm_processor(
+    hf_config: Any, model_path: str, max_model_len: int, video_pruning_rate: float, tokenizer: Any
+) -> Any:
+    """The model's prompt-media processor: Gemma 3's for Gemma 3 vision-language checkpoints,
+    else the Qwen-VL style one (disabled for text-only models)."""
+    if getattr(hf_config, "model_type", None) == "gemma3" and hasattr(hf_config, "vision_config"):
+        from tinyvllm.engine.gemma3_mm_inputs import Gemma3MultiModalProcessor
+
+        return Gemma3MultiModalProcessor(hf_config, model_path, tokenizer)
+    return MultiModalProcessor(hf_config, model_path, max_model_len, video_pruning_rate)
 
 
 def content_hash(item: MediaInput) -> str:

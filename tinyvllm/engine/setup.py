@@ -67,6 +67,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_model_len=max_model_len,
             num_lookahead_tokens=_lookahead(args.speculative_config),
+            atomic_mm_spans=_bidirectional_media(hf_config),
         ),
         device=DeviceConfig(
             device=str(device),
@@ -247,3 +248,14 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
             f"cannot load a tokenizer from {name}: {exc}. The model directory needs "
             "tokenizer.json or tokenizer.model with tokenizer_config.json"
         ) from exc
+
+
+def _bidirectional_media(hf_config: Any) -> bool:
+    """Whether the model attends its media spans bidirectionally (Gemma 3's images), so the
+    scheduler must keep each span in one chunk."""
+    from tinyvllm.models.registry import resolve_architecture
+
+    try:
+        return resolve_architecture(hf_config)[1].state_kind == "gemma3_mm"
+    except ValueError:
+        return False  # the model loader names the unsupported architecture

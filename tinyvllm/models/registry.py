@@ -40,6 +40,12 @@ _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
     {
         "BertModel": ModelEntry(_BERT, "BertModel", runners=("pooling",)),
         "Gemma3ForCausalLM": ModelEntry("tinyvllm.models.gemma3", "Gemma3ForCausalLM"),
+        "Gemma3ForConditionalGeneration": ModelEntry(
+            "tinyvllm.models.gemma3_mm",
+            "Gemma3ForConditionalGeneration",
+            "gemma3_mm",
+            runners=("generate",),
+        ),
         "GraniteMoeHybridForCausalLM": ModelEntry(
             "tinyvllm.models.granite_moe_hybrid",
             "GraniteMoeHybridForCausalLM",

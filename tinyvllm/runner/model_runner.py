@@ -294,16 +294,16 @@ class ModelRunner:
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         md = inputs.attn_metadata
         graphs = self.cuda_graphs
+        # The fast paths embed the ids themselves and attend causally only.
+        if inputs.inputs_embeds is not None or md.bidirectional_ranges is not None:
+            graphs = program = None
+        else:
+            program = self.decode_program
         if graphs is not None:
             desc = graphs.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.max_query_len)
             if desc is not None:
                 return graphs.run(desc, inputs.input_ids, inputs.positions, md)
-        program = self.decode_program
-        if (
-            program is not None
-            and program.supports(md.num_actual_tokens)
-            and md.bidirectional_ranges is None
-        ):
+        if program is not None and program.supports(md.num_actual_tokens):
             if self.draft is not None:  # the draft model runs its layers on this plan
                 self.backend.plan(md)
             return program.run(

@@ -62,6 +62,7 @@ def render_prompt(
         state.accepts_media,
         state.model_name,
         state.limits,
+        state.placeholders,
     )
     text = render_chat_template(
         tokenizer,

@@ -27,7 +27,7 @@ from tinyvllm.engine.mm_inputs import VIDEO_FILE_FRAMES
 from tinyvllm.multimodal.media import decode_video, load_image, resolve_media
 from tinyvllm.server.errors import APIError, bad_request
 from tinyvllm.server.limits import ServerLimits
-from tinyvllm.utils.content_parts import split_content_parts
+from tinyvllm.utils.content_parts import PLACEHOLDERS, split_content_parts
 
 # Part type -> what it carries, for the messages.
 _MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
@@ -64,6 +64,7 @@ def chat_messages(
     accepts_media: bool,
     model_name: str,
     limits: ServerLimits,
+    placeholders: Mapping[str, str] = PLACEHOLDERS,
 ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
     """(messages with text content for the template, multi_modal_data in prompt order; {}
     without media). Raises APIError 400 naming the message and part at fault."""
@@ -77,7 +78,7 @@ def chat_messages(
             message = {**message, "content": parts}
         checked.append(dict(message))
     try:
-        return split_content_parts(checked)
+        return split_content_parts(checked, placeholders)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
 

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.server.errors import APIError, error_body
 from tinyvllm.server.limits import MAX_BATCH, ServerLimits
 from tinyvllm.server.metrics import ServerMetrics
+from tinyvllm.utils.content_parts import PLACEHOLDERS
 
 T = TypeVar("T")
 
@@ -68,6 +69,12 @@ class ServerState:
         """Whether the model takes images and videos (a vision-language model)."""
         processor = getattr(self.engine.engine, "mm_processor", None)
         return bool(getattr(processor, "enabled", False))
+
+    @property
+    def placeholders(self) -> Mapping[str, str]:
+        """The model's text for one image / video in a chat message."""
+        processor = getattr(self.engine.engine, "mm_processor", None)
+        return getattr(processor, "placeholders", PLACEHOLDERS)
 
     def check_generative(self, name: str | None) -> None:
         """`check_model`, and a 400 when this server's model cannot generate."""

@@ -28,9 +28,11 @@ _MEDIA_PARTS: Mapping[str, tuple[str, str]] = {
 
 
 def split_content_parts(
-    messages: Sequence[Mapping[str, Any]],
+    messages: Sequence[Mapping[str, Any]], placeholders: Mapping[str, str] = PLACEHOLDERS
 ) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
-    """(messages whose content is text, multi_modal_data in prompt order; {} for text)."""
+    """(messages whose content is text, multi_modal_data in prompt order; {} for text).
+    `placeholders`: the model's text for one item per modality (the model's processor's
+    `placeholders`; Qwen-VL's by default)."""
     media: dict[str, list[Any]] = {}
     flat: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
@@ -45,12 +47,14 @@ def split_content_parts(
             )
         texts: list[str] = []
         for part in content:
-            texts.append(_part_text(part, i, media))
+            texts.append(_part_text(part, i, media, placeholders))
         flat.append({**message, "content": "".join(texts)})
     return flat, media
 
 
-def _part_text(part: Any, index: int, media: dict[str, list[Any]]) -> str:
+def _part_text(
+    part: Any, index: int, media: dict[str, list[Any]], placeholders: Mapping[str, str]
+) -> str:
     if isinstance(part, str):
         return part
     kind = part.get("type") if isinstance(part, Mapping) else None
@@ -66,4 +70,6 @@ def _part_text(part: Any, index: int, media: dict[str, list[Any]]) -> str:
     if value is None:
         raise ValueError(f"message {index}: the {kind} part has no {key!r} value")
     media.setdefault(modality, []).append(value)
-    return PLACEHOLDERS[modality]
+    if modality not in placeholders:
+        raise ValueError(f"message {index}: this model does not take {modality} parts")
+    return placeholders[modality]

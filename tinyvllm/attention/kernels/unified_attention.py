@@ -13,8 +13,8 @@ in fp32 (exp2 domain). With SPLIT_KV (flash decoding) each of `num_splits` progr
 contiguous share of its tiles and writes unnormalised partials that `split_kv.reduce_splits`
 combines.
 
-Visibility of key j to the query at position i: j < seq_len and either (j <= i and i - j <
-window) or both i and j lie in the request's bidirectional span [start, end).
+Visibility of key j to the query at position i: j < seq_len, i - j < window, and either j <= i
+or both i and j lie in one of the request's bidirectional spans [start, end).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _attention_kernel(
     qsl_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_table_ptr,  # [num_reqs, max_blocks] int32
-    bidi_ptr,  # [num_reqs, 2] int32 (HAS_BIDI)
+    bidi_ptr,  # [num_reqs, NUM_SPANS, 2] int32 (HAS_BIDI)
     scale,
     soft_cap,
     window,
@@ -87,6 +87,7 @@ def _attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     HAS_BIDI: tl.constexpr,
+    NUM_SPANS: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -134,12 +135,19 @@ def _attention_kernel(
     if USE_WINDOW:
         kv_lo = tl.maximum(first_pos - window + 1, 0)
     if HAS_BIDI:
-        span_lo = tl.where(is_real, tl.load(bidi_ptr + 2 * last_req), 0)
-        span_hi = tl.where(is_real, tl.load(bidi_ptr + 2 * last_req + 1), 0)
-        overlaps = (span_lo < span_hi) & (span_lo <= last_pos) & (first_pos < span_hi)
-        kv_hi = tl.where(overlaps, tl.minimum(seq_len, tl.maximum(kv_hi, span_hi)), kv_hi)
-        kv_lo = tl.where(overlaps, tl.minimum(kv_lo, span_lo), kv_lo)
-        q_in_span = (q_pos >= span_lo) & (q_pos < span_hi)
+        # Each query row's own span [row_lo, row_hi) (a request's spans are disjoint; empty
+        # outside them). Later keys of a span become visible to its queries; earlier ones stay
+        # bounded by the window.
+        row_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        row_hi = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for span in tl.static_range(NUM_SPANS):
+            entry = bidi_ptr + (last_req * NUM_SPANS + span) * 2
+            span_lo = tl.where(is_real, tl.load(entry), 0)
+            span_hi = tl.where(is_real, tl.load(entry + 1), 0)
+            inside = row_ok & (q_pos >= span_lo) & (q_pos < span_hi)
+            row_lo = tl.where(inside, span_lo, row_lo)
+            row_hi = tl.where(inside, span_hi, row_hi)
+        kv_hi = tl.minimum(seq_len, tl.maximum(kv_hi, tl.max(row_hi, 0)))
     kv_hi = tl.maximum(kv_hi, 0)
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.maximum(tl.cdiv(kv_hi, TILE_N), tile_lo)
@@ -191,11 +199,11 @@ def _attention_kernel(
             s = s * (scale * LOG2E)
         diff = q_pos[:, None] - offs_n[None, :]
         visible = diff >= 0
-        if USE_WINDOW:
-            visible = visible & (diff < window)
         if HAS_BIDI:
-            k_in_span = (offs_n >= span_lo) & (offs_n < span_hi)
-            visible = visible | (q_in_span[:, None] & k_in_span[None, :])
+            same_span = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
+            visible = visible | same_span
+        if USE_WINDOW:  # after the span: the window bounds its keys too (as transformers)
+            visible = visible & (diff < window)
         visible = visible & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
 
@@ -251,6 +259,7 @@ def kernel_constants(
     use_soft_cap: bool,
     has_bidi: bool,
     split_kv: bool,
+    num_spans: int = 1,
 ) -> dict[str, Any]:
     """The attention kernel's constexprs plus num_warps / num_stages for one launch."""
     block_m, block_q = block_shape(num_q_heads, num_kv_heads, max_query_len)
@@ -271,6 +280,7 @@ def kernel_constants(
         "USE_WINDOW": use_window,
         "USE_SOFT_CAP": use_soft_cap,
         "HAS_BIDI": has_bidi,
+        "NUM_SPANS": num_spans,
         "SPLIT_KV": split_kv,
         "UPCAST": upcast,
         "DOT_PRECISION": "tf32x3" if on_gpu else "ieee",
@@ -324,6 +334,7 @@ def unified_attention(
     use_cap = bool(soft_cap)
     has_bidi = bidirectional_ranges is not None
     bidi = bidirectional_ranges.to(torch.int32).contiguous() if has_bidi else seq_lens
+    num_spans = bidi.shape[1] if has_bidi and bidi.dim() == 3 else 1
     constants = kernel_constants(
         query.dtype,
         query.device.type == "cuda",
@@ -336,6 +347,7 @@ def unified_attention(
         use_soft_cap=use_cap,
         has_bidi=has_bidi,
         split_kv=num_splits > 1,
+        num_spans=num_spans,
     )
     if num_splits > 1:
         part_acc, part_max, part_sum = alloc_partials(query, num_splits, constants["HEAD_PAD"])

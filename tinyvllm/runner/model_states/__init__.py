@@ -2,8 +2,9 @@
 
 `state_kind` (from the model registry) -> the ModelState class: "default" (1-D rope text
 models), "mrope" (Qwen-VL: M-RoPE positions, vision encoder outputs merged into the
-embeddings; with video_pruning_rate > 0 the EVS pruning state), "mamba_hybrid" (recurrent
-state slots). Kind planned next: "pooling" (encoder-only).
+embeddings; with video_pruning_rate > 0 the EVS pruning state), "gemma3_mm" (Gemma 3 VLM:
+1-D positions, image embeddings merged, bidirectional image spans), "mamba_hybrid" (recurrent
+state slots).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from tinyvllm.runner.model_states.default import DefaultModelState
+from tinyvllm.runner.model_states.gemma3_mm import Gemma3MMModelState
 from tinyvllm.runner.model_states.interface import ModelInputs, ModelState
 from tinyvllm.runner.model_states.mamba_hybrid import MambaHybridModelState
 from tinyvllm.runner.model_states.mrope import MRopeModelState
@@ -21,6 +23,7 @@ from tinyvllm.runner.model_states.video_pruning import VideoPruningModelState
 
 __all__ = [
     "DefaultModelState",
+    "Gemma3MMModelState",
     "MRopeModelState",
     "MambaHybridModelState",
     "ModelInputs",
@@ -31,7 +34,12 @@ __all__ = [
 ]
 
 _KINDS = MappingProxyType(
-    {"default": DefaultModelState, "mamba_hybrid": MambaHybridModelState, "mrope": MRopeModelState}
+    {
+        "default": DefaultModelState,
+        "gemma3_mm": Gemma3MMModelState,
+        "mamba_hybrid": MambaHybridModelState,
+        "mrope": MRopeModelState,
+    }
 )
 
 
