@@ -378,3 +378,17 @@ def test_native_decode_program_matches_the_layer_path_in_bf16(lfm2_dir: Path) ->
         lps_a = [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids, strict=True)]
         lps_b = [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids, strict=True)]
         assert lps_a == lps_b
+
+
+def test_native_decode_program_conv_bias_and_longer_kernel(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Kernel 4 (a 3-input state) with conv and projection biases, through the program."""
+    path = build_tiny_lfm2(tmp_path, tokenizer_dir, seed=3, conv_L_cache=4, conv_bias=True)
+    hf = load_hf_reference(str(path))
+    prompts = PROMPTS[:3]
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    llm = _llm(path, enforce_eager=False)
+    planned, ran = _count_program_steps(llm)
+    assert _ids(llm, prompts) == expected
+    assert ran == planned and ran
