@@ -58,7 +58,12 @@ def hf_expected(hf_lfm2) -> list[list[int]]:
 
 
 def test_greedy_and_logprobs_match_hf(lfm2_dir: Path, hf_lfm2, hf_expected) -> None:
-    outs = _greedy(_llm(lfm2_dir), PROMPTS, logprobs=0)
+    _assert_like_hf(_llm(lfm2_dir), hf_lfm2, hf_expected)
+
+
+def _assert_like_hf(llm: LLM, hf_lfm2, hf_expected: list[list[int]]) -> None:
+    """Greedy tokens of PROMPTS as HF's, logprobs within 1e-3."""
+    outs = _greedy(llm, PROMPTS, logprobs=0)
     assert [list(c.token_ids) for c in outs] == hf_expected
     for prompt, comp in zip(PROMPTS, outs, strict=True):
         ours = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
@@ -275,6 +280,7 @@ def test_decode_steps_run_torch_single_threaded_beside_native_layer_ops(lfm2_dir
     runner = llm.engine.runner
     if not runner.platform.native_layer_ops:
         pytest.skip("the native kernels did not load here")
+    runner.decode_program = None  # the per-layer path (models the program cannot run)
     seen: list[tuple[int, int]] = []
     inner = runner._execute_model
 
@@ -291,3 +297,98 @@ def test_decode_steps_run_torch_single_threaded_beside_native_layer_ops(lfm2_dir
 def test_mamba_cache_mode_is_validated(lfm2_dir: Path) -> None:
     with pytest.raises(ValueError, match="mamba_cache_mode must be one of align, none, got 'all'"):
         _llm(lfm2_dir, mamba_cache_mode="all")
+
+
+def _count_program_steps(llm: LLM) -> tuple[list[int], list[int]]:
+    """Wraps the runner's steps and its native decode program: the token counts of every
+    step the program should run (up to its row limit) and of those it ran."""
+    runner = llm.engine.runner
+    if not runner.platform.native_layer_ops:
+        pytest.skip("the native kernels did not load here")
+    program = runner.decode_program
+    assert program is not None, "LFM2 got no native decode program"
+    expected: list[int] = []
+    ran: list[int] = []
+    run, execute = program.run, runner._execute_model
+
+    def counted(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        ran.append(input_ids.shape[0])
+        return run(input_ids, *args)
+
+    def step(sched):
+        if 0 < sched.total_num_scheduled_tokens <= program.max_rows:
+            expected.append(sched.total_num_scheduled_tokens)
+        return execute(sched)
+
+    program.run = counted  # type: ignore[method-assign]
+    runner._execute_model = step
+    return expected, ran
+
+
+def test_native_decode_program_runs_lfm2_like_hf(lfm2_dir: Path, hf_lfm2, hf_expected) -> None:
+    """The whole decode step (short-conv and attention layers) runs as one native call, with
+    each request's conv state in its slot: tokens as HF's, logprobs within 1e-3."""
+    llm = _llm(lfm2_dir, enforce_eager=False)
+    expected, ran = _count_program_steps(llm)
+    _assert_like_hf(llm, hf_lfm2, hf_expected)
+    assert ran == expected and ran.count(len(PROMPTS)) >= MAX_TOKENS // 2
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [{"max_num_batched_tokens": 7}, {"num_gpu_blocks_override": 9, "max_model_len": 96}],
+    ids=["chunk7", "preempt"],
+)
+def test_native_decode_program_prefill_chunks_and_preemption(
+    lfm2_dir: Path, hf_expected, engine_kw: dict
+) -> None:
+    """Short prefill chunks (state carried between chunks, zeroed for a fresh request) and
+    recompute after preemption also run in the program."""
+    llm = _llm(lfm2_dir, enforce_eager=False, **engine_kw)
+    expected, ran = _count_program_steps(llm)
+    assert _ids(llm, PROMPTS) == hf_expected
+    assert ran == expected and max(ran) > len(PROMPTS)  # prefill chunks among them
+
+
+def test_native_decode_program_resumes_a_state_snapshot(lfm2_dir: Path) -> None:
+    """A prefix-cache hit restores the conv state into the slot the program then reads."""
+    system = _prompts(1, [45])[0]
+    prompts = _prompts(2, [3, 12, 20], prefix=system)
+    expected = _ids(_llm(lfm2_dir, enable_prefix_caching=False), prompts)
+    llm = _llm(lfm2_dir, enforce_eager=False)
+    planned, ran = _count_program_steps(llm)
+    assert _ids(llm, prompts) == expected
+    before = llm.get_stats().state_hits
+    assert _ids(llm, prompts[::-1]) == expected[::-1]
+    assert llm.get_stats().state_hits - before == 3 and ran == planned and ran
+
+
+def test_native_decode_program_matches_the_layer_path_in_bf16(lfm2_dir: Path) -> None:
+    """bf16: the program rounds like ShortConv's torch ops, so tokens and logprobs equal the
+    per-layer path's (same kernels for linears, norms and attention)."""
+    program_llm = _llm(lfm2_dir, enforce_eager=False, dtype="bfloat16")
+    expected, ran = _count_program_steps(program_llm)
+    layer_llm = _llm(lfm2_dir, enforce_eager=False, dtype="bfloat16")
+    layer_llm.engine.runner.decode_program = None
+    ours = _greedy(program_llm, PROMPTS, logprobs=0)
+    ref = _greedy(layer_llm, PROMPTS, logprobs=0)
+    assert ran == expected and ran
+    for a, b in zip(ours, ref, strict=True):
+        assert list(a.token_ids) == list(b.token_ids)
+        lps_a = [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids, strict=True)]
+        lps_b = [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids, strict=True)]
+        assert lps_a == lps_b
+
+
+def test_native_decode_program_conv_bias_and_longer_kernel(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Kernel 4 (a 3-input state) with conv and projection biases, through the program."""
+    path = build_tiny_lfm2(tmp_path, tokenizer_dir, seed=3, conv_L_cache=4, conv_bias=True)
+    hf = load_hf_reference(str(path))
+    prompts = PROMPTS[:3]
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    llm = _llm(path, enforce_eager=False)
+    planned, ran = _count_program_steps(llm)
+    assert _ids(llm, prompts) == expected
+    assert ran == planned and ran

@@ -26,7 +26,8 @@ from tinyvllm.models.layers.linear import (
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.recurrent import RecurrentLayer, StateShape
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
-from tinyvllm.models.llama import LlamaForCausalLM
+from tinyvllm.models.llama import LlamaForCausalLM, _native_matrix
+from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan, ShortConvPlan
 from tinyvllm.quant.config import QuantConfig
 
 if TYPE_CHECKING:
@@ -246,6 +247,45 @@ class Lfm2DecoderLayer(nn.Module):
         hidden, residual = self.ffn_norm(hidden, residual)
         return self.feed_forward(hidden), residual
 
+    def native_plan(self) -> DecodeLayerPlan | None:
+        """This layer for the native decode program (None: it cannot run it); call after the
+        KV caches and recurrent states are bound."""
+        mlp = self.feed_forward
+        gate_up = _native_matrix(mlp.gate_up_proj, mlp.gate_up_proj.bias)
+        down = _native_matrix(mlp.w2, mlp.w2.bias)
+        q_norm = k_norm = kv_cache = short_conv = None
+        if self.self_attn is not None:
+            attn = self.self_attn
+            mixer_in, mixer_out = attn.qkv_proj, attn.out_proj
+            q_norm, k_norm = attn.q_layernorm.weight, attn.k_layernorm.weight
+            kv_cache = attn.attn.kv_cache
+            if kv_cache is None:
+                return None
+        else:
+            conv = self.conv
+            assert conv is not None
+            if not conv.states:
+                return None
+            mixer_in, mixer_out = conv.in_proj, conv.out_proj
+            short_conv = ShortConvPlan(conv.conv.weight[:, 0, :], conv.conv.bias, conv.states[0])
+        qkv = _native_matrix(mixer_in, mixer_in.bias)
+        o = _native_matrix(mixer_out, mixer_out.bias)
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        return DecodeLayerPlan(
+            input_norm=self.operator_norm.weight,
+            post_attention_norm=self.ffn_norm.weight,
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            kv_cache=kv_cache,
+            sliding_window=0,
+            short_conv=short_conv,
+        )
+
 
 class Lfm2Model(nn.Module):
     def __init__(self, config: Any, max_model_len: int, quant_config: QuantConfig | None) -> None:
@@ -293,9 +333,32 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     def recurrent_layers(self) -> list[RecurrentLayer]:
         return [m.conv for m in self.model.layers if m.conv is not None]
 
-    def native_decode_plan(self) -> None:
-        """The native decode program runs Llama layers only."""
-        return None
+    def native_decode_plan(self) -> DecodePlan | None:
+        """Every tensor the native decode program reads (attention and short-conv layers);
+        None when it cannot run this model. Call after the KV caches and states are bound."""
+        inner = self.model
+        layers = [layer.native_plan() for layer in inner.layers]
+        embed = _native_matrix(inner.embed_tokens, None)
+        if embed is None or any(layer is None for layer in layers):
+            return None
+        attn_layer = next(m.self_attn for m in inner.layers if m.self_attn is not None)
+        attn, rope = attn_layer.attn, inner.rotary_emb
+        return DecodePlan(
+            dtype=inner.embedding_norm.weight.dtype,
+            embed=embed,
+            final_norm=inner.embedding_norm.weight,
+            cos_cache=rope.cos_cache,
+            sin_cache=rope.sin_cache,
+            layers=tuple(layer for layer in layers if layer is not None),
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            rotary_dim=rope.rotary_dim,
+            intermediate_size=inner.layers[0].feed_forward.w2.input_size,
+            eps=inner.embedding_norm.eps,  # every LFM2 norm uses config.norm_eps
+            scale=attn.scale,
+            activation=inner.layers[0].feed_forward.act.name,
+        )
 
     @staticmethod
     def checkpoint_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -55,9 +55,15 @@ MAX_QUERIES_PER_KV = 64
 ACT_SILU = 0
 ACT_GELU_TANH = 1
 
-# What the functions returning int report (llama_decode.cpp kOk / kErrWorkspace).
+# TvLayer.kind: the layer's mixer (llama_decode.cpp kLayerShortConv).
+LAYER_ATTENTION = 0
+LAYER_SHORT_CONV = 1
+
+# What the functions returning int report (llama_decode.cpp kOk / kErrWorkspace /
+# kErrNoStateSlots).
 STATUS_OK = 0
 STATUS_WORKSPACE_TOO_SMALL = 1
+STATUS_NO_STATE_SLOTS = 2
 
 
 class TvLayer(Structure):
@@ -86,6 +92,11 @@ class TvLayer(Structure):
         ("post_ff_norm", c_void_p),
         ("cos_c", c_void_p),
         ("sin_c", c_void_p),
+        ("kind", c_int),
+        ("conv_k", c_int64),
+        ("conv_w", c_void_p),
+        ("conv_b", c_void_p),
+        ("conv_state", c_void_p),
     ]
 
 
@@ -147,7 +158,7 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         # llama_decode.cpp
         "tv_head_norm": (None, (_P, _L, _L, _L, _P, _I, _L, _F)),
         "tv_llama_workspace_bytes": (c_int64, (POINTER(TvModel), _L)),
-        "tv_llama_decode": (c_int, (POINTER(TvModel), _L, _L, _P, _P, _P, _P, _P, _L, _P)),
+        "tv_llama_decode": (c_int, (POINTER(TvModel), _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _P)),
         # thread_pool.cpp
         "tv_pool_stats": (None, (_P,)),
     }

@@ -33,9 +33,20 @@ class NativeMatrix:
 
 
 @dataclass(frozen=True)
+class ShortConvPlan:
+    """LFM2's gated short convolution in place of attention: y = out_proj(C * conv(B * x))
+    with B, C, x = in_proj(h) (the layer plan's `qkv` holds in_proj, `o` out_proj)."""
+
+    weight: torch.Tensor  # [hidden, kernel] depthwise taps
+    bias: torch.Tensor | None
+    state: torch.Tensor  # [num_slots, hidden, kernel - 1]: each request's last inputs B * x
+
+
+@dataclass(frozen=True)
 class DecodeLayerPlan:
     """One pre-norm decoder layer: attention (fused qkv, optional per-head q/k norms, rope,
-    paged KV) then a gated MLP (fused gate/up, activation, down).
+    paged KV), or a short convolution (`short_conv`), then a gated MLP (fused gate/up,
+    activation, down).
 
     With `pre_feedforward_norm` (Gemma) `post_attention_norm` normalises the attention output
     before the residual add, `pre_feedforward_norm` the sum, and `post_feedforward_norm` the
@@ -50,18 +61,19 @@ class DecodeLayerPlan:
     down: NativeMatrix
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor | None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     sliding_window: int  # 0: full attention
     pre_feedforward_norm: torch.Tensor | None = None
     post_feedforward_norm: torch.Tensor | None = None
     cos_cache: torch.Tensor | None = None
     sin_cache: torch.Tensor | None = None
+    short_conv: ShortConvPlan | None = None  # set: a conv layer (no kv_cache, no q/k norms)
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """A whole Llama-family (or Gemma) model: embedding, layers, final norm and the shapes
-    they share (every RMSNorm uses `eps`)."""
+    """A whole Llama-family (or Gemma, or LFM2) model: embedding, layers, final norm and the
+    shapes they share (every RMSNorm uses `eps`); at least one layer is attention."""
 
     dtype: torch.dtype
     embed: NativeMatrix

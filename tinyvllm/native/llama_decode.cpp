@@ -38,6 +38,14 @@ struct TvLayer {
   const void* post_ff_norm;
   const float* cos_c;  // this layer's rope tables (null: the model's)
   const float* sin_c;
+  // kLayerShortConv (LFM2) replaces attention with a gated short convolution: qkv_w holds
+  // in_proj (hidden -> B, C, x), o_w out_proj; conv_w [hidden][conv_k] the depthwise kernel,
+  // conv_state [slots][hidden][conv_k - 1] each request's last conv_k - 1 inputs B * x.
+  int kind;
+  int64_t conv_k;
+  const void* conv_w;
+  const void* conv_b;
+  void* conv_state;
 };
 
 struct TvModel {
@@ -78,14 +86,83 @@ namespace {
 
 constexpr int kOk = 0;
 constexpr int kErrWorkspace = 1;  // abi.STATUS_WORKSPACE_TOO_SMALL
+constexpr int kErrNoStateSlots = 2;  // abi.STATUS_NO_STATE_SLOTS
+constexpr int kLayerShortConv = 1;   // abi.LAYER_SHORT_CONV (0: attention)
 
 int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
+
+// Widths of the mixer's input (qkv, or a short conv's B, C, x) and output (attn) buffers.
+int64_t mixer_in_width(const TvModel* m) {
+  const int64_t w = (m->hq + 2 * m->hkv) * m->head_dim;
+  return w > 3 * m->hidden ? w : 3 * m->hidden;
+}
+
+int64_t mixer_out_width(const TvModel* m) {
+  const int64_t w = m->hq * m->head_dim;
+  return w > m->hidden ? w : m->hidden;
+}
 
 // Bytes of the activation buffers of a B-token step (one slab: hidden, residual, normed, qkv,
 // attn, gate_up, act), then the per-token index arrays, each 64-byte aligned.
 int64_t activation_bytes(const TvModel* m, int64_t B) {
-  const int64_t elem = m->dt ? 2 : 4, qs = m->hq * m->head_dim, kvs = m->hkv * m->head_dim;
-  return align64(elem * B * (3 * m->hidden + qs + 2 * kvs + qs + 3 * m->inter));
+  const int64_t elem = m->dt ? 2 : 4;
+  return align64(elem * B * (3 * m->hidden + mixer_in_width(m) + mixer_out_width(m) +
+                             3 * m->inter));
+}
+
+// LFM2's gated short conv over the B, C, x rows of `bcx` (stride `stride`) of R requests, each
+// request's tokens in order: y = C * conv(B * x), the conv reading the request's state slot
+// (zeroed first when the request starts from scratch) and leaving its last K - 1 inputs there.
+// Rounds as ShortConv's torch path: B * x and the fp32 tap sum (taps in order, then the bias)
+// to the dtype, then C * y.
+void short_conv(const TvLayer& L, int dt, int64_t H, int64_t R, const int32_t* query_start_loc,
+                const int64_t* state_slots, const uint8_t* has_initial, const void* bcx,
+                int64_t stride, void* out, int64_t out_stride) {
+  const int64_t K = L.conv_k, S = K - 1, elem = dt ? 2 : 4;
+  for (int64_t r = 0; r < R; ++r) {
+    void* state = static_cast<char*>(L.conv_state) + state_slots[r] * H * S * elem;
+    if (!has_initial[r]) memset(state, 0, H * S * elem);
+    for (int64_t t = query_start_loc[r]; t < query_start_loc[r + 1]; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t row = t * stride;
+        const float bx = as_dtype(load(bcx, row + h, dt) * load(bcx, row + 2 * H + h, dt), dt);
+        const int64_t s = h * S, w = h * K;
+        float acc = load(state, s, dt) * load(L.conv_w, w, dt);
+        for (int64_t k = 1; k < S; ++k) acc += load(state, s + k, dt) * load(L.conv_w, w + k, dt);
+        acc += bx * load(L.conv_w, w + S, dt);
+        if (L.conv_b) acc += load(L.conv_b, h, dt);
+        for (int64_t k = 0; k + 1 < S; ++k) store(state, s + k, load(state, s + k + 1, dt), dt);
+        store(state, s + S - 1, bx, dt);
+        const float c = load(bcx, row + H + h, dt);
+        store(out, t * out_stride + h, c * as_dtype(acc, dt), dt);
+      }
+  }
+}
+
+// A layer's attention: normed -> qkv (per-head norms, rope) -> paged KV -> attn -> o_proj into
+// `hidden`.
+void attention(const TvModel* m, const TvLayer& L, int64_t B, const void* normed,
+               const int64_t* positions, const int64_t* slots, const int64_t* tok,
+               const int64_t* tok_row, const int32_t* tok_len, const int32_t* block_table,
+               int64_t bt_stride, void* qkv, void* attn, void* hidden) {
+  const int dt = m->dt, nt = m->nthreads;
+  const int64_t elem = dt ? 2 : 4, H = m->hidden, D = m->head_dim;
+  const int64_t qs = m->hq * D, kvs = m->hkv * D, W = qs + 2 * kvs;
+  tv_linear_any(normed, dt, L.qkv_w, L.qkv_fmt, L.qkv_b, dt, qkv, B, W, H, nt);
+  char* q = static_cast<char*>(qkv);
+  char* k = q + qs * elem;
+  char* v = k + kvs * elem;
+  if (L.q_norm) tv_head_norm(q, W, m->hq, D, L.q_norm, dt, B, m->eps);
+  if (L.k_norm) tv_head_norm(k, W, m->hkv, D, L.k_norm, dt, B, m->eps);
+  tv_rope(q, W, m->hq, k, W, m->hkv, dt, B, D, m->rot, positions,
+          L.cos_c ? L.cos_c : m->cos_c, L.sin_c ? L.sin_c : m->sin_c);
+  char* cache = static_cast<char*>(L.kv_cache);
+  const int64_t half = m->num_blocks * m->block_size * kvs * elem;
+  tv_store_kv(k, W, v, W, B, kvs, static_cast<int>(elem), cache, cache + half, slots);
+  tv_paged_decode(q, W, attn, dt, B, tok, tok_row, tok_len, nullptr, block_table, bt_stride,
+                  cache, m->num_blocks, m->block_size, m->hq, m->hkv, D, m->scale, L.window,
+                  0.0f, nt);
+  tv_linear_any(attn, dt, L.o_w, L.o_fmt, L.o_b, dt, hidden, B, H, qs, nt);
 }
 
 }  // namespace
@@ -101,24 +178,30 @@ int64_t tv_llama_workspace_bytes(const TvModel* m, int64_t B) {
 
 // B flattened tokens of R requests (query_start_loc [R + 1]); every token attends causally up
 // to its own position, so decode, K + 1 verify and short prefill chunks all fit.
-// hidden_out [B][hidden] receives the final normed hidden states. Returns kOk, or
-// kErrWorkspace (nothing computed) when m->workspace is smaller than B tokens need.
+// hidden_out [B][hidden] receives the final normed hidden states. Short-conv layers read
+// request r's state from slot state_slots[r], zeroed first unless has_initial[r]. Returns kOk,
+// kErrWorkspace (nothing computed) when m->workspace is smaller than B tokens need, or
+// kErrNoStateSlots (nothing computed) when a model with short-conv layers gets no slots.
 int tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input_ids,
                     const int64_t* positions, const int64_t* slots,
                     const int32_t* query_start_loc, const int32_t* block_table,
-                    int64_t bt_stride, void* hidden_out) {
+                    int64_t bt_stride, const int64_t* state_slots, const uint8_t* has_initial,
+                    void* hidden_out) {
   if (m->workspace == nullptr || m->workspace_bytes < tv_llama_workspace_bytes(m, B))
     return kErrWorkspace;
+  for (int64_t l = 0; l < m->num_layers; ++l)
+    if (m->layers[l].kind == kLayerShortConv && (!state_slots || !has_initial))
+      return kErrNoStateSlots;
   const int dt = m->dt, nt = m->nthreads;
-  const int64_t elem = dt ? 2 : 4, H = m->hidden, D = m->head_dim;
-  const int64_t qs = m->hq * D, kvs = m->hkv * D, W = qs + 2 * kvs;
+  const int64_t elem = dt ? 2 : 4, H = m->hidden;
+  const int64_t in_w = mixer_in_width(m), out_w = mixer_out_width(m);
   char* buf = static_cast<char*>(m->workspace);
   void* hidden = buf;
   void* residual = buf + elem * B * H;
   void* normed = buf + elem * B * 2 * H;
   void* qkv = buf + elem * B * 3 * H;
-  void* attn = static_cast<char*>(qkv) + elem * B * W;
-  void* gate_up = static_cast<char*>(attn) + elem * B * qs;
+  void* attn = static_cast<char*>(qkv) + elem * B * in_w;
+  void* gate_up = static_cast<char*>(attn) + elem * B * out_w;
   void* act = static_cast<char*>(gate_up) + elem * B * 2 * m->inter;
   int64_t* tok = reinterpret_cast<int64_t*>(buf + activation_bytes(m, B));
   int64_t* tok_row = tok + B;
@@ -143,22 +226,14 @@ int tv_llama_decode(const TvModel* m, int64_t B, int64_t R, const int64_t* input
       tv_rms_norm(residual, nullptr, L.in_norm, normed, dt, B, H, m->eps);
     else
       tv_rms_norm(hidden, residual, L.in_norm, normed, dt, B, H, m->eps);
-    tv_linear_any(normed, dt, L.qkv_w, L.qkv_fmt, L.qkv_b, dt, qkv, B, W, H, nt);
-    char* q = static_cast<char*>(qkv);
-    char* k = q + qs * elem;
-    char* v = k + kvs * elem;
-    if (L.q_norm) tv_head_norm(q, W, m->hq, D, L.q_norm, dt, B, m->eps);
-    if (L.k_norm) tv_head_norm(k, W, m->hkv, D, L.k_norm, dt, B, m->eps);
-    tv_rope(q, W, m->hq, k, W, m->hkv, dt, B, D, m->rot, positions,
-            L.cos_c ? L.cos_c : m->cos_c, L.sin_c ? L.sin_c : m->sin_c);
-    char* cache = static_cast<char*>(L.kv_cache);
-    const int64_t half = m->num_blocks * m->block_size * kvs * elem;
-    tv_store_kv(k, W, v, W, B, kvs, static_cast<int>(elem), cache, cache + half, slots);
-    tv_paged_decode(q, W, attn, dt, B, tok, tok_row, tok_len, nullptr, block_table, bt_stride,
-                    cache,
-                    m->num_blocks, m->block_size, m->hq, m->hkv, D, m->scale, L.window, 0.0f,
-                    nt);
-    tv_linear_any(attn, dt, L.o_w, L.o_fmt, L.o_b, dt, hidden, B, H, qs, nt);
+    if (L.kind == kLayerShortConv) {
+      tv_linear_any(normed, dt, L.qkv_w, L.qkv_fmt, L.qkv_b, dt, qkv, B, 3 * H, H, nt);
+      short_conv(L, dt, H, R, query_start_loc, state_slots, has_initial, qkv, 3 * H, attn, H);
+      tv_linear_any(attn, dt, L.o_w, L.o_fmt, L.o_b, dt, hidden, B, H, H, nt);
+    } else {
+      attention(m, L, B, normed, positions, slots, tok, tok_row, tok_len, block_table,
+                bt_stride, qkv, attn, hidden);
+    }
     if (L.pre_ff_norm) {
       tv_rms_norm(hidden, nullptr, L.post_norm, normed, dt, B, H, m->eps);
       tv_rms_norm(normed, residual, L.pre_ff_norm, hidden, dt, B, H, m->eps);

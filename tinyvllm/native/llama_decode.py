@@ -12,6 +12,7 @@ with the batch, never allocated by the step itself.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +20,10 @@ from tinyvllm.native.abi import (
     ACT_GELU_TANH,
     ACT_SILU,
     FORMAT_BF16,
+    LAYER_ATTENTION,
+    LAYER_SHORT_CONV,
     MAX_QUERIES_PER_KV,
+    STATUS_NO_STATE_SLOTS,
     STATUS_OK,
     STATUS_WORKSPACE_TOO_SMALL,
     TvLayer,
@@ -29,7 +33,14 @@ from tinyvllm.native.abi import (
 from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan, NativeMatrix
 from tinyvllm.native.ops import NativeCpuOps, max_linear_rows
 
+if TYPE_CHECKING:
+    from tinyvllm.attention.recurrent import RecurrentMetadata
+
 _ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
+_STATUS = {
+    STATUS_WORKSPACE_TOO_SMALL: "workspace too small",
+    STATUS_NO_STATE_SLOTS: "a short-conv model got no state slots",
+}
 
 
 class _Unsupported(Exception):
@@ -66,6 +77,7 @@ class _Binder:
     def layer(self, plan: DecodeLayerPlan) -> TvLayer:
         qkv, o = self.matrix(plan.qkv), self.matrix(plan.o)
         gate_up, down = self.matrix(plan.gate_up), self.matrix(plan.down)
+        conv = plan.short_conv
         return TvLayer(
             self.tensor(plan.input_norm),
             self.tensor(plan.post_attention_norm),
@@ -89,10 +101,15 @@ class _Binder:
             self.tensor(plan.post_feedforward_norm),
             self.tensor(plan.cos_cache, torch.float32),
             self.tensor(plan.sin_cache, torch.float32),
+            LAYER_ATTENTION if conv is None else LAYER_SHORT_CONV,
+            0 if conv is None else conv.weight.shape[1],
+            None if conv is None else self.tensor(conv.weight),
+            None if conv is None else self.tensor(conv.bias),
+            None if conv is None else self.tensor(conv.state),
         )
 
     def model(self, plan: DecodePlan, dt: int, num_threads: int, layers: ctypes.Array) -> TvModel:
-        kv = plan.layers[0].kv_cache
+        kv = next(layer.kv_cache for layer in plan.layers if layer.kv_cache is not None)
         embed_ptr, embed_fmt = self.matrix(plan.embed)
         return TvModel(
             dt,
@@ -131,6 +148,8 @@ class LlamaDecodeProgram:
         self.dtype = torch.float32 if model.dt == 0 else torch.bfloat16
         self.max_rows = max_linear_rows(self.dtype)
         self._fn = ops.lib.tv_llama_decode
+        # Short-conv layers (LFM2) need each request's state slot every step.
+        self.needs_state_slots = any(layer.kind == LAYER_SHORT_CONV for layer in layers)
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._workspace_rows = 0
         self._grow_workspace(self.max_rows)
@@ -142,7 +161,8 @@ class LlamaDecodeProgram:
         dt = format_code(plan.dtype)
         if dt is None or plan.num_heads // plan.num_kv_heads > MAX_QUERIES_PER_KV:
             return None
-        if any(layer.kv_cache.dtype != plan.dtype for layer in plan.layers):
+        caches = [layer.kv_cache for layer in plan.layers if layer.short_conv is None]
+        if not caches or any(kv is None or kv.dtype != plan.dtype for kv in caches):
             return None
         if plan.activation not in _ACTIVATIONS:
             return None
@@ -177,19 +197,25 @@ class LlamaDecodeProgram:
         slot_mapping: torch.Tensor,
         query_start_loc: torch.Tensor,
         block_table: torch.Tensor,
+        recurrent: RecurrentMetadata | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] of every scheduled token."""
+        """Final hidden states [T, hidden] of every scheduled token; a model with short-conv
+        layers reads and writes each request's state slot of `recurrent`."""
         t = input_ids.shape[0]
         if t > self._workspace_rows:
             self._grow_workspace(t)
         out = torch.empty((t, self.hidden_size), dtype=self.dtype)
+        slots = initial = None
+        if recurrent is not None:
+            slots = recurrent.state_indices.data_ptr()
+            initial = recurrent.has_initial_state.data_ptr()
         status = self._fn(
             ctypes.byref(self._model), t, query_start_loc.shape[0] - 1, input_ids.data_ptr(),
             positions.data_ptr(), slot_mapping.data_ptr(), query_start_loc.data_ptr(),
-            block_table.data_ptr(), block_table.stride(0), out.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), slots, initial, out.data_ptr(),
         )  # fmt: skip
         if status != STATUS_OK:
-            what = "workspace too small" if status == STATUS_WORKSPACE_TOO_SMALL else "error"
+            what = _STATUS.get(status, "error")
             raise RuntimeError(
                 f"tv_llama_decode failed with status {status} ({what}) on a {t}-token step"
             )

@@ -308,7 +308,7 @@ class ModelRunner:
                 self.backend.plan(md)
             return program.run(
                 inputs.input_ids, inputs.positions, md.slot_mapping, md.query_start_loc,
-                md.block_table,
+                md.block_table, md.recurrent,
             )  # fmt: skip
         self.backend.plan(md)
         if inputs.inputs_embeds is not None:
