@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tinyvllm.utils.memory import release_free_heap
+
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "tinyvllm_tokenizer.json"
@@ -80,6 +82,7 @@ class SnapshotTokenizer:
         if not isinstance(info, dict) or info.get("format") != _FORMAT:
             return None
         backend = Tokenizer.from_file(str(directory / BACKEND_FILE))
+        release_free_heap()  # the parse's temporaries (see there)
         backend.encode_special_tokens = info["split_special_tokens"]
         return cls(backend, info, str(directory))
 
