@@ -219,6 +219,9 @@ def _snapshot_and_reference(gguf_path: Path) -> tuple[SnapshotTokenizer, Any]:
     cached = tokenizer_cache_dir(gguf_path.resolve())
     ours = load_gguf_tokenizer(gguf_path)
     assert isinstance(ours, SnapshotTokenizer), "the snapshot was not used"
+    # Merges stored as "a b" strings (the faster form to parse; none of these has a space).
+    merges = json.loads((cached / BACKEND_FILE).read_text(encoding="utf-8"))["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
     return ours, AutoTokenizer.from_pretrained(str(cached))
 
 
@@ -420,7 +423,7 @@ def test_gguf_engine_runs_without_importing_transformers(
     assert result["chat"] == list(expected)
     if name == "llama":
         snapshot = next((tmp_path / "cache").rglob(SNAPSHOT_FILE))
-        assert json.loads(snapshot.read_text())["format"] == 3
+        assert json.loads(snapshot.read_text())["format"] == 4
     else:
         assert result["rss"] < GEMMA3_PEAK_RSS_MIB, result["rss"]
 
@@ -437,3 +440,20 @@ def test_damaged_snapshot_is_rebuilt(
     again = load_gguf_tokenizer(path)  # warns, rebuilds from the GGUF file
     assert again.encode(TEXTS[2]) == first.encode(TEXTS[2])
     assert isinstance(load_gguf_tokenizer(path), SnapshotTokenizer)
+
+
+def test_merges_as_strings_only_where_no_piece_holds_a_space() -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    from tinyvllm.gguf.tokenizer import _merges_as_strings
+
+    vocab = {"a": 0, "b": 1, " ": 2, "ab": 3, "a ": 4, "a b": 5, "abb": 6}
+    plain = Tokenizer(BPE(vocab, [("a", "b"), ("ab", "b")])).to_str()
+    spaced = Tokenizer(BPE(vocab, [("a", " "), ("a ", "b")])).to_str()
+    assert _merges_as_strings(spaced) == spaced  # only the pair form can say "a " + "b"
+    compact = _merges_as_strings(plain)
+    assert json.loads(compact)["model"]["merges"] == ["a b", "ab b"]
+    for text in ("abb", "ab", "babba"):
+        expected = Tokenizer.from_str(plain).encode(text).ids
+        assert Tokenizer.from_str(compact).encode(text).ids == expected, text
