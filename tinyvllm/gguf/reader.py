@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import mmap
-import os
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -175,10 +174,11 @@ class GGUFFile:
         tensor = torch.empty(shape, dtype=torch.uint8)
         view = memoryview(tensor.numpy()).cast("B")
         with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(info.offset)
             done = 0
             while done < info.nbytes:
-                count = os.preadv(handle.fileno(), [view[done:]], info.offset + done)
-                if count <= 0:
+                count = handle.readinto(view[done:])
+                if not count:
                     raise ValueError(
                         f"{str(self.path)!r} is truncated: tensor {name!r} ends at byte "
                         f"{info.offset + info.nbytes}, read stopped at {info.offset + done}"
