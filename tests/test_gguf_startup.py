@@ -14,18 +14,20 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from fixtures import build_tiny_checkpoint
 from gguf_writer import write_tiny_gguf
 from transformers import AutoTokenizer
 
 import tinyvllm.gguf.config as gguf_config
-from tinyvllm.gguf.bundled import smollm2_gguf_path
+from tinyvllm.gguf.bundled import catalog_gguf_path, smollm2_gguf_path
 from tinyvllm.gguf.config import load_gguf_config, load_gguf_tokenizer, tokenizer_cache_dir
-from tinyvllm.gguf.model_config import GGUFModelConfig
+from tinyvllm.gguf.model_config import GGUFGemma3Config, GGUFModelConfig
 from tinyvllm.gguf.tokenizer import BACKEND_FILE, SNAPSHOT_FILE, SnapshotTokenizer
 from tinyvllm.utils import chat_template as chat_template_module
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 SMOLLM2 = smollm2_gguf_path()
+GEMMA3 = catalog_gguf_path("Gemma-3-270M")  # on disk already (never fetched by these tests)
 # Every config attribute tinyvllm's models, loader and engine read.
 CONFIG_FIELDS = (
     "architectures",
@@ -64,6 +66,20 @@ TEXTS = (
     "",
     "a\u00a0b\u200bc\r\nd",
 )
+# Gemma's SentencePiece-style BPE: turn and other added tokens, spaces as "▁" (runs of them,
+# a literal "▁"), byte fallback for what the vocabulary lacks (rare CJK, emoji ZWJ sequences,
+# control characters).
+GEMMA_TEXTS = (
+    *TEXTS,
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    "<bos><start_of_turn>user\n  spaced   out\t\tand\n\n\nnewlines <end_of_turn>",
+    "▁literal ▁▁ markers and     five spaces",
+    "Ünïcödé façade — naïve café; Ελληνικά, Русский, עברית, العربية, हिन्दी",
+    "𠀋𪚥 rare CJK 龘 and 👩\u200d👩\u200d👧\u200d👦 family 🏳️\u200d🌈",
+    "ctrl \x00\x01\x7f bell\x07 <unused0><mask>[multimodal]<pad><eos>",
+    "<start_of_image><end_of_image> not images, just text <unk>",
+    " " * 40 + "indented" + "\n" * 5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +94,8 @@ def ggufs(tiny_models: Mapping[str, Path], tmp_path_factory: pytest.TempPathFact
     )
     if SMOLLM2 is not None:
         files["smollm2"] = SMOLLM2
+    if GEMMA3 is not None:
+        files["gemma3-270m"] = GEMMA3
     return files
 
 
@@ -117,25 +135,119 @@ def test_config_equals_transformers_config(
     assert str(reference.dtype).removeprefix("torch.") == ours.dtype
 
 
+# Gemma's turn format (as its instruction-tuned models' template writes it, system folded into
+# the first user turn) for a base model, whose file has no template.
+GEMMA_TURNS = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role != 'system' %}<start_of_turn>"
+    "{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content | trim }}<end_of_turn>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+# Every config attribute tinyvllm reads from a Gemma 3 config (the models probe some with
+# `getattr` defaults, so an attribute HF's class lacks must be absent from ours too).
+GEMMA3_FIELDS = (
+    *CONFIG_FIELDS,
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "use_bidirectional_attention",
+    "rope_theta",
+    "text_config",
+    "vision_config",
+    "attention_dropout",
+)
+_ABSENT = object()
+
+
+def _gemma3_gguf(root: Path, tokenizer_dir: Path, name: str) -> Path:
+    """A tiny Gemma 3 GGUF with what a file can say: llama.cpp's period-6 layer pattern and a
+    query scale of head_dim; variants add rope scaling or soft-caps."""
+    import gguf
+
+    checkpoint = build_tiny_checkpoint(
+        "gemma3",
+        root / name,
+        tokenizer_dir,
+        num_hidden_layers=7,
+        layer_types=None,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=16,
+    )
+    f32, string = gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+    metadata = {
+        "gemma3": {},
+        "gemma3-softcap": {
+            "{arch}.final_logit_softcapping": (30.0, f32),
+            "{arch}.attn_logit_softcapping": (50.0, f32),
+        },
+        "gemma3-linear": {"{arch}.rope.scaling.type": ("linear", string), **_factor(8.0)},
+        "gemma3-yarn": {
+            "{arch}.rope.scaling.type": ("yarn", string),
+            **_factor(4.0),
+            "{arch}.rope.scaling.original_context_length": (64, gguf.GGUFValueType.UINT32),
+        },
+    }[name]
+    return write_tiny_gguf(checkpoint, root / f"{name}.gguf", metadata=metadata)
+
+
+@pytest.mark.parametrize(
+    "name", ["gemma3", "gemma3-softcap", "gemma3-linear", "gemma3-yarn", "gemma3-270m"]
+)
+def test_gemma3_config_equals_transformers_config(
+    name: str, tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if name == "gemma3-270m" and GEMMA3 is None:
+        pytest.skip("Gemma 3 270M GGUF not on disk (tinyvllm chat -m Gemma-3-270M fetches it)")
+    path = GEMMA3 if name == "gemma3-270m" else _gemma3_gguf(tmp_path, tokenizer_dir, name)
+    assert path is not None
+    ours = load_gguf_config(path)
+    assert isinstance(ours, GGUFGemma3Config)
+    monkeypatch.setattr(gguf_config, "MODEL_TYPES", ())  # transformers' config class instead
+    reference = load_gguf_config(path)
+    assert type(reference).__name__ == "Gemma3TextConfig"
+    for field in GEMMA3_FIELDS:
+        mine = _value(ours, field) if hasattr(ours, field) else _ABSENT
+        theirs = _value(reference, field) if hasattr(reference, field) else _ABSENT
+        assert mine == theirs, field
+    assert str(reference.dtype).removeprefix("torch.") == ours.dtype
+
+
 def _snapshot_and_reference(gguf_path: Path) -> tuple[SnapshotTokenizer, Any]:
     load_gguf_tokenizer(gguf_path)  # converts (once) and writes the snapshot
     cached = tokenizer_cache_dir(gguf_path.resolve())
     ours = load_gguf_tokenizer(gguf_path)
     assert isinstance(ours, SnapshotTokenizer), "the snapshot was not used"
+    # Merges stored as "a b" strings (the faster form to parse; none of these has a space).
+    merges = json.loads((cached / BACKEND_FILE).read_text(encoding="utf-8"))["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
     return ours, AutoTokenizer.from_pretrained(str(cached))
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "smollm2"])
+@pytest.mark.parametrize(
+    "name",
+    # transformers loads Gemma's 262k-token vocabulary in seconds, the checks take ~25 s.
+    ["llama", "qwen2", "smollm2", pytest.param("gemma3-270m", marks=pytest.mark.slow)],
+)
 def test_snapshot_tokenizer_equals_transformers(name: str, ggufs: dict) -> None:
     if name not in ggufs:
-        pytest.skip("SmolLM2 GGUF not installed")
+        pytest.skip(f"{name} GGUF not on disk")
     ours, ref = _snapshot_and_reference(ggufs[name])
-    for text in TEXTS:
+    texts = GEMMA_TEXTS if name.startswith("gemma") else TEXTS
+    for text in texts:
         for add in (True, False):
             assert ours.encode(text, add_special_tokens=add) == ref.encode(
                 text, add_special_tokens=add
             ), (text, add)
-    ids = [i for t in TEXTS for i in ref.encode(t)] + list(range(0, min(len(ref), 600), 7))
+        assert ours(text)["input_ids"] == ref(text)["input_ids"], text
+    # Every token id alone too (a lone byte-fallback piece decodes to U+FFFD), and ids from
+    # across the whole vocabulary (added tokens sit in the first thousands for Gemma).
+    spread = range(0, len(ref), max(1, len(ref) // 2000))
+    for i in [*range(0, min(len(ref), 300)), *spread]:
+        assert ours.decode([i]) == ref.decode([i]), i
+    ids = [i for t in texts for i in ref.encode(t)] + list(range(0, min(len(ref), 600), 7))
+    ids += list(spread)
     for skip in (True, False):
         assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
             ids, skip_special_tokens=skip
@@ -167,7 +279,11 @@ def test_snapshot_tokenizer_equals_transformers(name: str, ggufs: dict) -> None:
         {"role": "user", "content": "And now?"},
     ]
     for gen in (True, False):
-        kwargs = {"add_generation_prompt": gen}
+        kwargs: dict[str, Any] = {"add_generation_prompt": gen}
+        if ref.chat_template is None:  # a base model (Gemma 3 270M): the user passes one
+            with pytest.raises(ValueError, match="no chat template"):
+                ours.apply_chat_template(chat, **kwargs)
+            kwargs["chat_template"] = GEMMA_TURNS
         assert ours.apply_chat_template(chat, tokenize=False, **kwargs) == (
             ref.apply_chat_template(chat, tokenize=False, **kwargs)
         )
@@ -254,16 +370,33 @@ def test_own_template_environment_keeps_transformers_guards(
         chat_template_module._compile.cache_clear()
 
 
+# Peak RSS of the Gemma 3 270M process below (max_model_len=64): ~610 MiB, of it torch ~220,
+# the tokenizer ~100 and the weights 242; 909 MiB before the lean load (transformers' config
+# import, the embedding held twice, the tokenizer parse's freed heap kept).
+GEMMA3_PEAK_RSS_MIB = 800
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def test_gguf_engine_runs_without_importing_transformers(
-    ggufs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, ggufs: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """LLM(<GGUF>) + generate + chat in a fresh process leaves transformers unimported (the
     tokenizer was converted once before, as on any start after the first)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    path = ggufs["llama"]
-    converted = load_gguf_tokenizer(path)  # the first start's conversion, in this process
+    if name not in ggufs:
+        pytest.skip(f"{name} GGUF not on disk (tinyvllm chat -m Gemma-3-270M fetches it)")
+    path = ggufs[name]
+    template = None
+    if name == "llama":
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        converted = load_gguf_tokenizer(path)  # the first start's conversion, in this process
+    else:  # converting Gemma's 262k vocabulary takes minutes: the user's cache keeps it
+        load_gguf_tokenizer(path)
+        converted = AutoTokenizer.from_pretrained(str(tokenizer_cache_dir(path.resolve())))
+        template = GEMMA_TURNS  # a base model: no template in the file
     chat = [{"role": "user", "content": "hi"}]
-    expected = converted.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    expected = converted.apply_chat_template(
+        chat, chat_template=template, add_generation_prompt=True, return_dict=False
+    )
     script = textwrap.dedent(
         f"""
         import json, sys
@@ -271,10 +404,13 @@ def test_gguf_engine_runs_without_importing_transformers(
         llm = LLM({str(path)!r}, max_model_len=64, max_num_seqs=2)
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         out = llm.generate(["hello there"], params)[0].outputs[0]
-        chat = llm.chat({chat!r}, params)[0]
+        chat = llm.chat({chat!r}, params, chat_template={template!r})[0]
         loaded = sorted(m for m in sys.modules if m.startswith("transformers"))
+        # VmHWM, not ru_maxrss: that one carries over the forking pytest process's peak.
+        status = open("/proc/self/status").read().split("VmHWM:")[1]
+        rss = int(status.split()[0]) / 1024
         print(json.dumps({{"n": len(out.token_ids), "chat": chat.prompt_token_ids,
-                          "loaded": loaded}}))
+                          "loaded": loaded, "rss": rss}}))
         """
     )
     run = subprocess.run(
@@ -285,8 +421,11 @@ def test_gguf_engine_runs_without_importing_transformers(
     assert result["loaded"] == [], result["loaded"]
     assert result["n"] == 4
     assert result["chat"] == list(expected)
-    snapshot = next((tmp_path / "cache").rglob(SNAPSHOT_FILE))
-    assert json.loads(snapshot.read_text())["format"] == 3
+    if name == "llama":
+        snapshot = next((tmp_path / "cache").rglob(SNAPSHOT_FILE))
+        assert json.loads(snapshot.read_text())["format"] == 4
+    else:
+        assert result["rss"] < GEMMA3_PEAK_RSS_MIB, result["rss"]
 
 
 def test_damaged_snapshot_is_rebuilt(
@@ -301,3 +440,20 @@ def test_damaged_snapshot_is_rebuilt(
     again = load_gguf_tokenizer(path)  # warns, rebuilds from the GGUF file
     assert again.encode(TEXTS[2]) == first.encode(TEXTS[2])
     assert isinstance(load_gguf_tokenizer(path), SnapshotTokenizer)
+
+
+def test_merges_as_strings_only_where_no_piece_holds_a_space() -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    from tinyvllm.gguf.tokenizer import _merges_as_strings
+
+    vocab = {"a": 0, "b": 1, " ": 2, "ab": 3, "a ": 4, "a b": 5, "abb": 6}
+    plain = Tokenizer(BPE(vocab, [("a", "b"), ("ab", "b")])).to_str()
+    spaced = Tokenizer(BPE(vocab, [("a", " "), ("a ", "b")])).to_str()
+    assert _merges_as_strings(spaced) == spaced  # only the pair form can say "a " + "b"
+    compact = _merges_as_strings(plain)
+    assert json.loads(compact)["model"]["merges"] == ["a b", "ab b"]
+    for text in ("abb", "ab", "babba"):
+        expected = Tokenizer.from_str(plain).encode(text).ids
+        assert Tokenizer.from_str(compact).encode(text).ids == expected, text

@@ -4,6 +4,7 @@ own blocks against its dequantized fp32 twin."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,12 @@ def test_gguf_weights_keep_their_blocks(kernels: QuantKernels, qtype: int) -> No
     assert isinstance(qw.packed, GGUFBlocks) and qw.packed.qtype == qtype
     assert torch.equal(qw.packed.qweight, w.data)  # the file's bytes, not repacked
     assert qw.packed.qweight.data_ptr() != w.data.data_ptr()  # a copy: nothing points into the file
+    # The loader's own copy of the blocks (`owned`) is kept as it is: no second copy.
+    owned = dataclasses.replace(w, data=w.data.clone(), owned=True)
+    kept = QuantizedWeight(256, 40, QuantConfig("gguf"), kernels)
+    kept.load_rows(owned, 0, 40)
+    assert isinstance(kept.packed, GGUFBlocks)
+    assert kept.packed.qweight.data_ptr() == owned.data.data_ptr()
     native = qw.native_weight
     assert native is not None and native[0] == GGUF_FORMATS[qtype]
     assert torch.equal(qw.dequantize(), reference(w))

@@ -101,6 +101,18 @@ def test_inv_freq_matches_transformers(case: str, seq_len: int) -> None:
     assert ours_factor == pytest.approx(their_factor, rel=1e-12)
 
 
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_tables_are_hf_formula_exactly(case: str) -> None:
+    """cos/sin tables equal HF's cos(cat(freqs, freqs)) * attention_factor bit for bit (they
+    are built from half-width tables to spare memory)."""
+    rope = RopeConfig.from_hf_config(hf_config(ROPE_CASES[case]))
+    table = RotaryEmbedding(rope, MAX_POS)
+    inv_freq, factor = compute_inv_freq(rope, seq_len=MAX_POS)
+    emb = torch.outer(torch.arange(MAX_POS, dtype=torch.float32), inv_freq).repeat(1, 2)
+    assert torch.equal(table.cos_cache, emb.cos() * factor)
+    assert torch.equal(table.sin_cache, emb.sin() * factor)
+
+
 def test_dynamic_is_default_within_trained_length() -> None:
     dynamic = RopeConfig.from_hf_config(hf_config(ROPE_CASES["dynamic"]))
     default = RopeConfig.from_hf_config(hf_config(ROPE_CASES["default"]))

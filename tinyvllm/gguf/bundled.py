@@ -18,3 +18,17 @@ def smollm2_gguf_path() -> Path | None:
     imports a plugin framework that need not be installed."""
     found = locate_package(SMOLLM2)
     return Path(found.model) if found is not None else None
+
+
+def catalog_gguf_path(name: str) -> Path | None:
+    """The GGUF file of catalog entry `name` if it is on disk already (the HF cache, an
+    installed package, tinyvllm's cache), else None; never downloads."""
+    from tinyvllm.catalog.entries import load_catalog
+    from tinyvllm.catalog.locate import locate
+
+    entry = load_catalog().get(name)
+    found = locate(entry) if entry is not None else None
+    if found is None:
+        return None
+    path = Path(found.model)
+    return path / found.gguf_file if found.gguf_file else path

@@ -3,7 +3,6 @@ tokenizer (which transformers rebuilds from the vocabulary stored in the file)."
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import math
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tinyvllm.gguf.model_config import MODEL_TYPES, GGUFModelConfig
+from tinyvllm.gguf.model_config import MODEL_TYPES, own_config_class
 from tinyvllm.gguf.reader import GGUFFile, read_gguf
 from tinyvllm.gguf.tokenizer import SnapshotTokenizer, save_snapshot
 
@@ -211,10 +210,11 @@ def _llama3_from_rope_freqs(gf: GGUFFile, theta: float, head_dim: int) -> dict[s
 
 
 def _config_class(model_type: str) -> Callable[..., Any]:
-    """tinyvllm's config for the llama family (the same values, without importing
+    """tinyvllm's config for the llama family and Gemma 3 (the same values, without importing
     transformers: over a second), transformers' config class for the others."""
-    if model_type in MODEL_TYPES:
-        return functools.partial(GGUFModelConfig.from_kwargs, model_type)
+    own = own_config_class(model_type) if model_type in MODEL_TYPES else None
+    if own is not None:
+        return own
     from transformers import CONFIG_MAPPING
 
     return CONFIG_MAPPING[model_type]

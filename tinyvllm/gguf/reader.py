@@ -161,13 +161,40 @@ class GGUFFile:
             with open(self.path, "rb") as handle:
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         array = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        tensor = torch.from_numpy(array)
+        return torch.from_numpy(array).view(self.raw_shape(name))
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor's bytes copied into memory of its own, shaped as `raw` shapes them.
+
+        Read from the file (its page cache) straight into the new tensor, so the load never
+        holds the file's pages and a copy of them at once, which a mapped view plus a copy
+        does (the 262k x 640 embedding of Gemma 3 270M: 178 MiB twice at the load's peak)."""
+        info = self.tensors[name]
+        shape = self.raw_shape(name)
+        tensor = torch.empty(shape, dtype=torch.uint8)
+        view = memoryview(tensor.numpy()).cast("B")
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(info.offset)
+            done = 0
+            while done < info.nbytes:
+                count = handle.readinto(view[done:])
+                if not count:
+                    raise ValueError(
+                        f"{str(self.path)!r} is truncated: tensor {name!r} ends at byte "
+                        f"{info.offset + info.nbytes}, read stopped at {info.offset + done}"
+                    )
+                done += count
+        return tensor
+
+    def raw_shape(self, name: str) -> tuple[int, ...]:
+        """[rows, bytes_per_row] for 2-D and larger tensors, [bytes] for 1-D ones."""
+        info = self.tensors[name]
         if len(info.shape) < 2:
-            return tensor
+            return (info.nbytes,)
         rows = 1
         for dim in info.shape[:-1]:
             rows *= dim
-        return tensor.view(rows, -1)
+        return (rows, info.nbytes // rows if rows else 0)
 
     def release(self, name: str) -> None:
         """Drop the tensor's file pages from this process's memory once its values were copied

@@ -20,13 +20,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tinyvllm.utils.memory import release_free_heap
+
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "tinyvllm_tokenizer.json"
 # The backend as transformers left it, in the `tokenizers` library's own format (a file of its
 # own: `Tokenizer.from_file` parses it without a second JSON decode of a multi-MB string).
 BACKEND_FILE = "tinyvllm_backend.json"
-_FORMAT = 3
+_FORMAT = 4  # 4: merges as "a b" strings where they can be
 _NAMED = ("bos", "eos", "unk", "pad")
 # transformers methods whose behaviour the snapshot reproduces only as TokenizersBackend has it.
 _BACKEND_METHODS = (
@@ -80,6 +82,7 @@ class SnapshotTokenizer:
         if not isinstance(info, dict) or info.get("format") != _FORMAT:
             return None
         backend = Tokenizer.from_file(str(directory / BACKEND_FILE))
+        release_free_heap()  # the parse's temporaries (see there)
         backend.encode_special_tokens = info["split_special_tokens"]
         return cls(backend, info, str(directory))
 
@@ -277,6 +280,24 @@ def _plain(token: Any) -> str | None:
     return None if token is None else str(token)
 
 
+def _merges_as_strings(backend: str) -> str:
+    """The backend's JSON with a BPE model's merges as "a b" strings instead of ["a", "b"]
+    pairs: the same merges in the same order, which `tokenizers` parses ~25% faster (Gemma 3:
+    515k merges, 1.5 -> 1.15 s of the tokenizer's load). Unchanged when a merged piece holds
+    a space, which only the pair form can say."""
+    data = json.loads(backend)
+    model = data.get("model")
+    merges = model.get("merges") if isinstance(model, dict) else None
+    if model is None or model.get("type") != "BPE" or not isinstance(merges, list):
+        return backend
+    if not all(isinstance(m, list) and len(m) == 2 for m in merges):
+        return backend
+    if any(" " in piece for merge in merges for piece in merge):
+        return backend
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    return json.dumps(data, ensure_ascii=False)
+
+
 def save_snapshot(tokenizer: Any, directory: Path) -> None:
     """Write the snapshot of `tokenizer` into `directory` (nothing when it cannot be exact)."""
     info = snapshot_info(tokenizer)
@@ -286,7 +307,7 @@ def save_snapshot(tokenizer: Any, directory: Path) -> None:
         # Each file written whole, then renamed (another process may be reading the
         # directory); the backend first, as the info file says the snapshot is complete.
         texts = (
-            (BACKEND_FILE, tokenizer.backend_tokenizer.to_str()),
+            (BACKEND_FILE, _merges_as_strings(tokenizer.backend_tokenizer.to_str())),
             (SNAPSHOT_FILE, json.dumps(info)),
         )
         for name, text in texts:

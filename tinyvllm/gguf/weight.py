@@ -15,12 +15,14 @@ class GGUFWeight:
     blocks, so row subsets and row permutations (fused-shard slicing, the llama q/k head
     permutation) work on the raw bytes without dequantizing. `qtype` is the
     `gguf.GGMLQuantizationType` value; `shape` is the logical `(rows, cols)` in torch's
-    `[out_features, in_features]` order.
+    `[out_features, in_features]` order. `owned`: `data` is memory of its own (not a view of
+    the mapped file, nor of a caller's array), which a layer may keep without copying.
     """
 
     data: torch.Tensor
     qtype: int
     shape: tuple[int, int]
+    owned: bool = False
 
     @property
     def qtype_name(self) -> str:
@@ -35,4 +37,6 @@ class GGUFWeight:
 
     def select_rows(self, index: torch.Tensor | slice) -> GGUFWeight:
         data = self.data[index]
-        return GGUFWeight(data=data, qtype=self.qtype, shape=(data.shape[0], self.shape[1]))
+        # Indexing with a tensor copies; a slice is a view of the same memory.
+        owned = self.owned or not isinstance(index, slice)
+        return GGUFWeight(data, self.qtype, (data.shape[0], self.shape[1]), owned)

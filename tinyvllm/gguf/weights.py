@@ -131,19 +131,20 @@ def iter_gguf_weights(
                 "supported; use a GGUF with Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K-Q6_K, F16 or BF16 "
                 "weights"
             )
-        raw = gf.raw(name).to(device)
         heads = _permutation_heads(gf, hf_config, name)
         index = None if heads is None else unpermute_rows(heads, info.shape[0]).to(device)
+        if len(info.shape) == 2 and keep_quantized and info.qtype not in _FLOAT_TYPES:
+            # Blocks the layer keeps: read into memory of their own, which it can keep as is.
+            raw = gf.read(name).to(device)
+            shape = (info.shape[0], info.shape[1])
+            weight = GGUFWeight(raw, info.qtype, shape, owned=True)
+            yield hf_name, weight if index is None else weight.select_rows(index)
+            continue
+        raw = gf.raw(name).to(device)
         if info.qtype in _FLOAT_TYPES:
             tensor = raw.view(_FLOAT_TYPES[info.qtype]).view(info.shape)
             if gf.architecture in _NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight"):
                 tensor = tensor.float() - 1.0
-        elif len(info.shape) == 2 and keep_quantized:
-            shape = (info.shape[0], info.shape[1])
-            weight = GGUFWeight(data=raw, qtype=info.qtype, shape=shape)
-            yield hf_name, weight if index is None else weight.select_rows(index)
-            gf.release(name)
-            continue
         else:
             tensor = dequantize(raw, info.qtype, info.shape).to(dtype)
         yield hf_name, tensor if index is None else tensor[index]

@@ -23,6 +23,7 @@ from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import bind_quant_kernels
 from tinyvllm.utils.hub import HUB_ALLOW_PATTERNS
+from tinyvllm.utils.memory import release_free_heap
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -264,6 +265,7 @@ def load_model(
         # Numpy/torch shape messages and the loader's own name no file: add it.
         detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         raise ValueError(f"cannot load the weights of {str(path)!r}: {detail}") from None
+    release_free_heap()  # the load's temporaries (rope tables, fused shards) stay otherwise
     return model.eval()
 
 

@@ -147,6 +147,10 @@ class GGUFBlocks(PackedWeight):
     @classmethod
     def pack(cls, shards: Sequence[Shard], spec: WeightSpec) -> PackedWeight:
         blocks = [shard for shard in shards if isinstance(shard, GGUFWeight)]
+        if len(blocks) == 1 and blocks[0].owned and blocks[0].data.is_contiguous():
+            # The loader's own copy of the file's blocks: kept, not copied again (a second
+            # copy of the largest tensor, the embedding, set the load's peak memory).
+            return cls(spec, blocks[0].data.reshape(blocks[0].shape[0], -1), blocks[0].qtype)
         if len({shard.qtype for shard in blocks}) == 1:
             # One contiguous copy (fused shards stacked by rows): nothing points into the file.
             data = torch.cat([shard.data.reshape(shard.shape[0], -1) for shard in blocks])

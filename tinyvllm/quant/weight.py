@@ -102,7 +102,10 @@ class QuantizedWeight(nn.Module):
 
     def _shard_on_device(self, shard: Shard) -> Shard:
         if isinstance(shard, GGUFWeight):
-            return GGUFWeight(shard.data.to(self.device), shard.qtype, shard.shape)
+            data = shard.data.to(self.device)
+            # A copy to another device is memory of its own as well.
+            owned = shard.owned or data.data_ptr() != shard.data.data_ptr()
+            return GGUFWeight(data, shard.qtype, shard.shape, owned)
         return shard.to(self.device)
 
     def _checked(self) -> PackedWeight:

@@ -187,6 +187,15 @@ _INV_FREQ_FUNCTIONS: Mapping[str, _InvFreqFn] = MappingProxyType(
 )
 
 
+def _doubled(half: torch.Tensor, factor: float, device: torch.device) -> torch.Tensor:
+    """[positions, rotary_dim]: `half` (cos or sin of [positions, rotary_dim / 2]) times
+    `factor`, twice side by side: HF's cos(cat(freqs, freqs)) * factor element for element,
+    built without full-width temporaries (a 32k-position table of head_dim 256 is 32 MiB,
+    and the temporaries stayed in the C heap after the load)."""
+    half = half.mul_(factor) if factor != 1.0 else half
+    return torch.cat((half, half), dim=-1).to(device)
+
+
 def compute_inv_freq(rope: RopeConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rotary_dim // 2] (float32, CPU) and the attention factor that
     scales cos/sin. `seq_len` only matters for dynamic and longrope."""
@@ -217,13 +226,13 @@ class RotaryEmbedding(nn.Module):
         # table (and the same one HF builds).
         inv_freq, attention_factor = compute_inv_freq(rope, seq_len=max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device="cpu"), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
         device = torch.get_default_device()
         # float32 on purpose: cos/sin of large positions lose too much in half precision,
         # so they are cast to the activation dtype only at use (as HF does).
-        cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
-        self.register_buffer("cos_cache", cos.to(device), persistent=False)
-        self.register_buffer("sin_cache", sin.to(device), persistent=False)
+        self.register_buffer("cos_cache", _doubled(freqs.cos(), attention_factor, device),
+                             persistent=False)  # fmt: skip
+        self.register_buffer("sin_cache", _doubled(freqs.sin(), attention_factor, device),
+                             persistent=False)  # fmt: skip
         self._step_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
