@@ -11,7 +11,7 @@ Checkpoint names: `[model.]language_model.*`, `[model.]vision_tower[.vision_mode
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +24,7 @@ from tinyvllm.models.checkpoint_check import TensorDirectory, check_against_chec
 from tinyvllm.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
 from tinyvllm.models.layers.norm import OffsetRMSNorm
 from tinyvllm.models.llama import FamilyOptions, LlamaModel
-from tinyvllm.models.weights import load_named_weights
+from tinyvllm.models.weights import load_language_and_towers
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import finalize_quantized_weights
 
@@ -220,29 +220,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return out.to(self.model.norm.weight.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        vision: list[tuple[str, Any]] = []
-        projector: list[tuple[str, Any]] = []
-
-        def language_weights() -> Iterator[tuple[str, Any]]:
-            for name, tensor in weights:
-                name = _canonical_name(name)
-                if name.startswith("vision_tower."):
-                    vision.append((name.removeprefix("vision_tower."), tensor))
-                elif name.startswith("multi_modal_projector."):
-                    projector.append((name, tensor))
-                else:
-                    yield name, tensor
-
-        language = nn.Module()  # a view holding only the language model's modules
-        language.model, language.lm_head = self.model, self.lm_head
-        load_named_weights(
-            language,
-            language_weights(),
-            stacked_params=self.stacked_params,
-            ignore=self._ignored_checkpoint_tensor,
-        )
-        self.vision_tower.load_weights(vision)
-        self.multi_modal_projector.load_weights(projector)
+        towers = {
+            "vision_tower.": self.vision_tower,
+            "multi_modal_projector.": self.multi_modal_projector,
+        }
+        load_language_and_towers(self, weights, _canonical_name, towers)
         self._check_norms_finite()
         finalize_quantized_weights(self)
 

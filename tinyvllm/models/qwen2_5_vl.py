@@ -9,18 +9,17 @@ follow the HF checkpoint: `model.*` (language model), `visual.*` (vision tower),
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.models.layers.rotary import MRotaryEmbedding, RopeConfig
 from tinyvllm.models.llama import FamilyOptions, LlamaForCausalLM, LlamaModel
 from tinyvllm.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
-from tinyvllm.models.weights import load_named_weights
+from tinyvllm.models.weights import load_language_and_towers
 from tinyvllm.multimodal.evs import video_mrope_positions
 from tinyvllm.native.decode_plan import DecodePlan
 from tinyvllm.quant.config import QuantConfig
@@ -88,27 +87,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        vision: list[tuple[str, Any]] = []
-
-        def language_weights() -> Iterator[tuple[str, Any]]:
-            # The vision tensors are set aside as they stream past (the LM loader's fused
-            # q/k/v and gate/up mapping must not touch the vision MLPs) and loaded after.
-            for name, tensor in weights:
-                name = _canonical_name(name)
-                if name.startswith("visual."):
-                    vision.append((name.removeprefix("visual."), tensor))
-                else:
-                    yield name, tensor
-
-        language = nn.Module()  # a view holding only the language model's modules
-        language.model, language.lm_head = self.model, self.lm_head
-        load_named_weights(
-            language,
-            language_weights(),
-            stacked_params=self.stacked_params,
-            ignore=self._ignored_checkpoint_tensor,
-        )
-        self.visual.load_weights(vision)
+        load_language_and_towers(self, weights, _canonical_name, {"visual.": self.visual})
         self._check_norms_finite()
         finalize_quantized_weights(self)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,3 +94,38 @@ def load_named_weights(
             f"{_listing(missing)}"
         )
     return skipped
+
+
+def load_language_and_towers(
+    model: nn.Module,
+    weights: Iterable[tuple[str, Any]],
+    rename: Callable[[str], str],
+    towers: Mapping[str, nn.Module],
+) -> None:
+    """Load a vision-language model: its language model (`model.model`, `model.lm_head`) by
+    name, and each tower's tensors (names under its prefix, e.g. "visual.") through the
+    tower's own `load_weights`, prefix removed.
+
+    Tower tensors are set aside as they stream past, so the language model's fused q/k/v and
+    gate/up mapping never touches a tower's layers; the towers load after it."""
+    aside: dict[str, list[tuple[str, Any]]] = {prefix: [] for prefix in towers}
+
+    def language_weights() -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            name = rename(name)
+            prefix = next((p for p in towers if name.startswith(p)), None)
+            if prefix is None:
+                yield name, tensor
+            else:
+                aside[prefix].append((name.removeprefix(prefix), tensor))
+
+    language = nn.Module()  # a view holding only the language model's modules
+    language.model, language.lm_head = model.model, model.lm_head
+    load_named_weights(
+        language,
+        language_weights(),
+        stacked_params=model.stacked_params,
+        ignore=model._ignored_checkpoint_tensor,
+    )
+    for prefix, tower in towers.items():
+        tower.load_weights(aside[prefix])
