@@ -405,15 +405,15 @@ def test_generation_config_eos_ids_read_without_transformers(tmp_path: Path) -> 
 
     from transformers import GenerationConfig
 
-    from tinyvllm.engine.engine import _generation_config_eos
+    from tinyvllm.engine.setup import generation_config_eos
 
     config = SimpleNamespace(model=SimpleNamespace(model_path=str(tmp_path)))
-    assert _generation_config_eos(config, 2) == set()  # no file (a GGUF checkpoint)
+    assert generation_config_eos(config, 2) == set()  # no file (a GGUF checkpoint)
     for ids in (7, [2, 7, 9], [], None):
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
         reference = GenerationConfig.from_pretrained(tmp_path).eos_token_id
         reference = [reference] if isinstance(reference, int) else reference or []
         expected = set(reference)
-        assert _generation_config_eos(config, 2) == expected - {2}, ids
+        assert generation_config_eos(config, 2) == expected - {2}, ids
     (tmp_path / "generation_config.json").write_text("{not json")
-    assert _generation_config_eos(config, 2) == set()
+    assert generation_config_eos(config, 2) == set()

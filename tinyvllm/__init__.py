@@ -12,6 +12,7 @@ from tinyvllm.utils.omp import prefer_passive_omp_waits
 prefer_passive_omp_waits()
 
 from tinyvllm.config import EngineArgs, PoolerConfig  # noqa: E402
+from tinyvllm.inputs import StreamingInput  # noqa: E402
 from tinyvllm.llm import LLM  # noqa: E402
 from tinyvllm.outputs import (  # noqa: E402
     CompletionOutput,
@@ -45,6 +46,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StreamingInput",
 ]
 __version__ = "0.1.0"
 

@@ -72,8 +72,18 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    # Images / videos of the prompt, in prompt order (empty for text).
+    # Images / videos of the prompt, in prompt order (empty for text); audio chunks of a
+    # streaming-input request, in arrival order.
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # Streaming input (`AsyncLLM.generate` over StreamingInput chunks): the positions whose
+    # input has arrived (None: all of them; a realtime audio model's positions with audio), and
+    # whether more prompt tokens may still come, which holds back the last received one: the
+    # token sampled after it would be wrong once the prompt grows.
+    input_limit: int | None = None
+    awaiting_prompt: bool = False
+    # How much of the input the model runner holds: the scheduler sends it what came since.
+    num_runner_prompt_tokens: int = 0
+    num_runner_mm_features: int = 0
 
     def __post_init__(self) -> None:
         self.stop_token_ids: frozenset[int] = frozenset(
@@ -95,6 +105,24 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """Tokens whose whole input has arrived (what the prefix cache may hash)."""
+        if self.input_limit is None:
+            return self.num_tokens
+        return min(self.num_tokens, self.input_limit)
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """How far the scheduler may compute: every token (with drafts) of an ordinary request;
+        for a streaming-input request only as far as its input has arrived."""
+        n = self.num_tokens_with_spec
+        if self.input_limit is not None:
+            n = min(n, self.input_limit)
+        if self.awaiting_prompt:
+            n = min(n, self.num_prompt_tokens - 1)
+        return n
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -90,7 +90,8 @@ class KVCacheManager:
         stays valid (also across preemption).
         """
         hashes = request.block_hashes
-        num_full = num_tokens // self.block_size
+        # Streaming input: a block is final only once the input of all its tokens arrived.
+        num_full = max(0, min(num_tokens, request.num_input_tokens)) // self.block_size
         if len(hashes) < num_full:
             tokens = request.all_token_ids
             parent = hashes[-1] if hashes else ROOT_HASH
@@ -104,14 +105,15 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of a new request: (block ids, number of tokens).
 
-        At least the last token is always left to compute, so a fully cached prompt still
-        produces logits. Requests asking for prompt logprobs skip the cache: cached positions
-        would have no logits.
+        At least the last token (of a streaming-input request: the last one whose input has
+        arrived) is always left to compute, so a fully cached prompt still produces logits.
+        Requests asking for prompt logprobs skip the cache: cached positions would have no
+        logits.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hits: list[int] = []
-        hashes = self.block_hashes(request, request.num_tokens - 1)
+        hashes = self.block_hashes(request, request.num_schedulable_tokens - 1)
         for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
@@ -147,12 +149,12 @@ class KVCacheManager:
             return False
         if self.states is None:
             return self.next_uncached_hash(request, num_hit_blocks) in inflight
-        hashes = self.block_hashes(request, request.num_tokens - 1)
+        hashes = self.block_hashes(request, request.num_schedulable_tokens - 1)
         return any(h in inflight for h in hashes[num_hit_blocks:])
 
     def next_uncached_hash(self, request: Request, num_hit_blocks: int) -> BlockHash | None:
         """The hash of the first block after a request's cache hits (None: no full block)."""
-        hashes = self.block_hashes(request, request.num_tokens - 1)
+        hashes = self.block_hashes(request, request.num_schedulable_tokens - 1)
         return hashes[num_hit_blocks] if num_hit_blocks < len(hashes) else None
 
     def record_lookup(self, request: Request, num_cached_tokens: int) -> None:
@@ -232,7 +234,7 @@ class KVCacheManager:
         multiple) up to its last full block before its last token. Hybrid prefills stop a
         chunk there: that is where another request's prefix ended, so a later request with
         the same prefix may resume from a state snapshot taken there."""
-        hashes = self.block_hashes(request, request.num_tokens - 1)
+        hashes = self.block_hashes(request, request.num_schedulable_tokens - 1)
         i = start // self.block_size
         while i < len(hashes) and self.pool.lookup(hashes[i]) is not None:
             i += 1

@@ -152,7 +152,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, plan.budget)
+            # A streaming-input request whose input has not arrived yet is skipped (parked).
+            num_new = min(request.num_schedulable_tokens - request.num_computed_tokens, plan.budget)
             num_new = self._fit_spans(request, self._align_chunk(request, num_new))
             if num_new <= 0:
                 i += 1
@@ -167,6 +168,7 @@ class Scheduler:
             plan.cached.req_ids.append(request.request_id)
             plan.cached.new_block_ids.append(new_blocks)
             plan.cached.num_computed_tokens.append(request.num_computed_tokens)
+            self._send_appended_input(request, plan.cached)
             if request.spec_token_ids:
                 plan.spec_tokens[request.request_id] = list(request.spec_token_ids)
             self._take(plan, request, num_new)
@@ -189,9 +191,14 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Then waiting requests, first come first served, while budget and seats last."""
+        parked: list[Request] = []
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if not self._admit(self.waiting[0], plan):
+            if self.waiting[0].num_schedulable_tokens <= 0:
+                # Streaming input that has not arrived: the requests behind it go first.
+                parked.append(self.waiting.popleft())
+            elif not self._admit(self.waiting[0], plan):
                 break
+        self.waiting.extendleft(reversed(parked))
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
         """Schedule the head of the waiting queue (a chunk of it with chunked prefill); False,
@@ -204,7 +211,7 @@ class Scheduler:
             if self.kv.waits_for_inflight(request, len(hits), plan.inflight):
                 request.num_computed_tokens = 0
                 return False
-        num_new = request.num_tokens - request.num_computed_tokens
+        num_new = request.num_schedulable_tokens - request.num_computed_tokens
         if num_new > plan.budget:
             if not self.config.enable_chunked_prefill:
                 request.num_computed_tokens = 0
@@ -226,10 +233,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         state_slot, restore_slot = self.kv.state_slots(request)
+        # Copies: a streaming-input request's prompt and media keep growing.
+        request.num_runner_prompt_tokens = request.num_prompt_tokens
+        request.num_runner_mm_features = len(request.mm_features)
         plan.new_reqs.append(
             NewRequestData(
                 req_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
+                prompt_token_ids=list(request.prompt_token_ids),
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
                 block_ids=list(self.kv.get_block_ids(request.request_id)),
@@ -237,11 +247,24 @@ class Scheduler:
                 eos_token_id=request.eos_token_id,
                 state_slot=state_slot,
                 restore_state_slot=restore_slot,
-                mm_features=request.mm_features,
+                mm_features=list(request.mm_features),
             )
         )
         self._take(plan, request, num_new)
         return True
+
+    @staticmethod
+    def _send_appended_input(request: Request, cached: CachedRequestData) -> None:
+        """Streaming input: the prompt tokens and media the runner's copy of `request` lacks."""
+        rid = request.request_id
+        if request.num_runner_prompt_tokens < request.num_prompt_tokens:
+            cached.appended_prompt_ids[rid] = request.prompt_token_ids[
+                request.num_runner_prompt_tokens :
+            ]
+            request.num_runner_prompt_tokens = request.num_prompt_tokens
+        if request.num_runner_mm_features < len(request.mm_features):
+            cached.appended_mm_features[rid] = request.mm_features[request.num_runner_mm_features :]
+            request.num_runner_mm_features = len(request.mm_features)
 
     def _fit_spans(self, request: Request, num_new: int) -> int:
         """`num_new` cut so that the chunk splits no media span (`atomic_mm_spans`): it ends

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
 from tinyvllm.config import EngineArgs
@@ -20,6 +21,7 @@ from tinyvllm.engine.streams import (
     Call,
     CommandFuture,
     EngineDeadError,
+    Feed,
     RequestError,
     RequestStream,
     Shutdown,
@@ -27,6 +29,7 @@ from tinyvllm.engine.streams import (
     StreamItem,
     new_request_id,
 )
+from tinyvllm.inputs import StreamingInput
 from tinyvllm.outputs import (
     EmbeddingRequestOutput,
     PoolingOutput,
@@ -37,7 +40,14 @@ from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.stats import EngineStats
 
-__all__ = ["AsyncLLM", "CommandFuture", "EngineDeadError", "RequestError", "RequestStream"]
+__all__ = [
+    "AsyncLLM",
+    "CommandFuture",
+    "EngineDeadError",
+    "RequestError",
+    "RequestStream",
+    "StreamingInput",
+]
 
 
 class AsyncLLM:
@@ -81,20 +91,36 @@ class AsyncLLM:
     # ---- public API -------------------------------------------------------------------------
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | AsyncIterable[StreamingInput],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (DELTA / CUMULATIVE / FINAL_ONLY per `output_kind`).
 
         A bad prompt or duplicate request_id raises ValueError at the first iteration.
+
+        `prompt` may be an async iterator of StreamingInput chunks (streaming input): the
+        request starts with the first chunk and takes each later one as it comes; it generates
+        once the iterator ends (a realtime audio model: as each position's audio arrives). A
+        chunk the engine refuses, or an iterator that raises, ends the request with
+        RequestError; abandoning the output stream aborts it and closes the iterator.
         """
         outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
         sink = Sink(new_request_id(request_id), outputs.put_nowait, asyncio.get_running_loop())
-        added = self._submit(prompt, sampling_params, sink)
+        chunks: AsyncIterator[StreamingInput] | None = None
+        feeder: asyncio.Task[None] | None = None
+        if isinstance(prompt, AsyncIterable):
+            chunks = aiter(prompt)
+            first = await _first_chunk(chunks)
+            params = first.sampling_params or sampling_params
+            added = self._submit(first.prompt, params, sink, streaming=True)
+        else:
+            added = self._submit(prompt, sampling_params, sink)
         done = False
         try:
             await added
+            if chunks is not None:
+                feeder = asyncio.create_task(self._feed(chunks, sink))
             while not done:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -103,8 +129,37 @@ class AsyncLLM:
                 done = item.finished
                 yield item
         finally:
+            if feeder is not None:
+                feeder.cancel()
+            elif chunks is not None:  # the add failed: the iterator is not read any more
+                await _close(chunks)
             if not done:
                 self._engine_loop.walk_away(sink)
+
+    async def _feed(self, chunks: AsyncIterator[StreamingInput], sink: Sink) -> None:
+        """Post a streaming request's chunks to the engine as they come, then its end."""
+        post = self._engine_loop.post
+        try:
+            async for chunk in chunks:
+                if not isinstance(chunk, StreamingInput):
+                    post(Feed(sink, error=_not_a_chunk(chunk)))
+                    return
+                if chunk.sampling_params is not None:
+                    post(
+                        Feed(
+                            sink,
+                            error="sampling_params can be set on the first StreamingInput "
+                            "only; leave it None on later chunks",
+                        )
+                    )
+                    return
+                post(Feed(sink, prompt=chunk.prompt))
+        except Exception as exc:  # the caller's iterator failed: so does its request
+            post(Feed(sink, error=f"the input stream raised {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            await _close(chunks)
+        post(Feed(sink, end=True))
 
     async def embed(
         self,
@@ -249,7 +304,11 @@ class AsyncLLM:
 
     # ---- caller side ------------------------------------------------------------------------
     def _submit(
-        self, prompt: PromptType, params: SamplingParams | None, sink: Sink
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        sink: Sink,
+        streaming: bool = False,
     ) -> CommandFuture:
         if params is None:
             params = SamplingParams()
@@ -257,7 +316,9 @@ class AsyncLLM:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         future = CommandFuture()
         # A private copy: the engine thread must never see the caller mutate it.
-        self._engine_loop.post(Add(prompt, params.clone(), sink, future))
+        if streaming and self.engine.runner_type != "generate":
+            raise ValueError("streaming input needs a generative model, not a pooling one")
+        self._engine_loop.post(Add(prompt, params.clone(), sink, future, streaming))
         return future
 
     def _call(self, fn: Callable[[Engine], Any]) -> CommandFuture:
@@ -265,3 +326,34 @@ class AsyncLLM:
         future = CommandFuture()
         self._engine_loop.post(Call(fn, future))
         return future
+
+
+async def _first_chunk(chunks: AsyncIterator[StreamingInput]) -> StreamingInput:
+    """The chunk a streaming request starts with (ValueError for an empty or bad stream)."""
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        raise ValueError(
+            "the input stream ended before its first StreamingInput; a streaming request needs "
+            "at least one chunk"
+        ) from None
+    if not isinstance(first, StreamingInput):
+        await _close(chunks)
+        raise ValueError(_not_a_chunk(first))
+    return first
+
+
+def _not_a_chunk(item: object) -> str:
+    return (
+        f"the input stream must yield StreamingInput chunks, got {type(item).__name__}; wrap "
+        "each chunk as StreamingInput(prompt=...)"
+    )
+
+
+async def _close(chunks: AsyncIterator[StreamingInput]) -> None:
+    """Close the caller's iterator (an async generator runs its cleanup)."""
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        # RuntimeError: still running (cancelled mid-__anext__); it unwinds on its own.
+        with contextlib.suppress(RuntimeError):
+            await aclose()

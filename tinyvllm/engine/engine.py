@@ -3,30 +3,32 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
-from collections.abc import Container, Iterator
 from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.engine.input_streams import InputStreams
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
+from tinyvllm.engine.prompts import (  # noqa: F401  (re-exported: the engine's input API)
+    PromptType,
+    check_text,
+    check_token_ids,
+    child_request_id,
+    claim_request_id,
+    tokenize_prompt,
+)
+from tinyvllm.engine.setup import eos_token_id, fit_to_kv_cache, generation_config_eos
 from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.request import MultiModalFeature, Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.stats import EngineStats
 
-if TYPE_CHECKING:
-    from tinyvllm.runner.kv_cache import KVCacheSize
-
 logger = logging.getLogger(__name__)
-
-PromptType = str | dict[str, Any] | list[int]
 
 
 class Engine:
@@ -44,7 +46,7 @@ class Engine:
         dtype = resolve_dtype(config.model.dtype)
         self.runner = ModelRunner(config, dtype, device)
         kv_size = self.runner.initialize_kv_cache()
-        self.config = config = _fit_to_kv_cache(config, kv_size)
+        self.config = config = fit_to_kv_cache(config, kv_size)
         caching = config.cache.enable_prefix_caching
         if kv_size.num_running_states and not config.cache.caches_state_snapshots:
             # A hybrid model resumes a prefix only from a state snapshot: none, no hits.
@@ -61,14 +63,17 @@ class Engine:
         self.parents: dict[str, ParentState] = {}
         self._child_to_parent: dict[str, str] = {}
         self._counter = itertools.count()
-        self.eos_token_id: int | None = _eos_token_id(config, tokenizer)
-        self.extra_stop_ids = _generation_config_eos(config, self.eos_token_id)
+        self.eos_token_id: int | None = eos_token_id(config, tokenizer)
+        self.extra_stop_ids = generation_config_eos(config, self.eos_token_id)
         self.stats = StatsCollector()
         from tinyvllm.engine.mm_inputs import create_mm_processor
 
         mc = config.model
         self.mm_processor = create_mm_processor(
             mc.hf_config, mc.model_path, mc.max_model_len, mc.video_pruning_rate, tokenizer
+        )
+        self.input_streams = InputStreams(
+            tokenizer, self.mm_processor, self.output_processor, mc.max_model_len, mc.vocab_size
         )
         # Whether the latest step scheduled nothing: the same state would schedule nothing
         # again, so a driver should wait for new requests or aborts rather than step again.
@@ -93,11 +98,20 @@ class Engine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        streaming: bool = False,
     ) -> str:
-        """Validate and queue a request; raises ValueError naming the problem on bad input."""
+        """Validate and queue a request; raises ValueError naming the problem on bad input.
+
+        `streaming`: `prompt` is the first chunk of the request's input; more come through
+        `append_input` until `end_input` (see tinyvllm/engine/input_streams.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if streaming and params.n != 1:
+            raise ValueError(
+                f"a streaming-input request takes n=1 (one sequence), got n={params.n}; run "
+                "one stream per sample"
+            )
         request_id = self._new_request_id(request_id)
         prompt_text, prompt_ids = self._tokenize(prompt)
         prompt_ids, mm_features = self._multimodal(prompt, prompt_ids)
@@ -131,21 +145,45 @@ class Engine:
             self.output_processor.add(parent, child_ids, child_params)
             for rid, p in zip(child_ids, child_params, strict=True):
                 self._child_to_parent[rid] = request_id
-                self.scheduler.add_request(
-                    Request(
-                        request_id=rid,
-                        prompt_token_ids=prompt_ids,
-                        sampling_params=p,
-                        eos_token_id=self.eos_token_id,
-                        max_tokens=max_tokens,
-                        arrival_time=arrival,
-                        mm_features=mm_features,
-                    )
+                request = Request(
+                    request_id=rid,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=p,
+                    eos_token_id=self.eos_token_id,
+                    max_tokens=max_tokens,
+                    arrival_time=arrival,
+                    mm_features=mm_features,
                 )
+                if streaming:
+                    self.input_streams.start(parent, request)
+                self.scheduler.add_request(request)
         except BaseException:
             self._forget(request_id, child_ids)
             raise
         return request_id
+
+    def append_input(self, request_id: str, prompt: PromptType) -> None:
+        """Append one input chunk to a streaming request (ValueError: the chunk is refused and
+        the request left as it was; the caller decides whether it fails)."""
+        self.input_streams.append(request_id, prompt)
+
+    def end_input(self, request_id: str) -> None:
+        """A streaming request's input is complete: it generates to its end."""
+        self.input_streams.end(request_id)
+
+    def fail_request(self, request_id: str, message: str) -> list[RequestOutput]:
+        """End a request with an error (finish_reason "error"): its final outputs."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        touched: dict[str, ParentState] = {}
+        self._fail([c.request_id for c in parent.children], message, touched)
+        return self._collect(touched)
+
+    @property
+    def awaiting_input(self) -> bool:
+        """Whether a streaming request waits for input: an empty step is then no deadlock."""
+        return self.input_streams.awaiting_input
 
     def _new_request_id(self, request_id: str | None) -> str:
         return claim_request_id(request_id, self.parents, self._counter)
@@ -165,6 +203,7 @@ class Engine:
     def _forget(self, request_id: str, child_ids: list[str]) -> None:
         """Drop a request from the engine, wherever it got to (frees its blocks)."""
         self.parents.pop(request_id, None)
+        self.input_streams.forget(request_id)
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
         for cid in child_ids:
             self._child_to_parent.pop(cid, None)
@@ -310,6 +349,7 @@ class Engine:
             if parent.finished:
                 self.stats.record_finished(parent.metrics.e2e_latency)
                 self.parents.pop(parent.request_id, None)
+                self.input_streams.forget(parent.request_id)
                 for c in parent.children:
                     self._child_to_parent.pop(c.request_id, None)
             if out is not None:
@@ -340,127 +380,3 @@ class Engine:
                 "shorten it or raise max_model_len"
             )
         check_token_ids(prompt_ids, self.config.model.vocab_size)
-
-
-def claim_request_id(request_id: str | None, in_use: Container[str], counter: Iterator[int]) -> str:
-    """`request_id` checked to be a free str, or (None) the next free number from `counter`."""
-    if request_id is None:
-        request_id = str(next(counter))
-        while request_id in in_use:  # a caller chose this one
-            request_id = str(next(counter))
-    if not isinstance(request_id, str):
-        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-    if request_id in in_use:
-        raise ValueError(f"request_id {request_id!r} is already in use")
-    return request_id
-
-
-def tokenize_prompt(
-    tokenizer: Any, prompt: PromptType, truncate_to: int | None = None
-) -> tuple[str | None, list[int]]:
-    """(prompt text or None, token ids). With `truncate_to` at most that many tokens are kept:
-    text is truncated by the tokenizer (its truncation side, special tokens kept), token ids
-    keep the last `truncate_to` (vLLM's rule)."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(
-                "text prompts need a tokenizer, but the engine was started with "
-                "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead"
-            )
-        text = check_text(prompt)
-        if truncate_to is None:
-            return prompt, list(tokenizer.encode(text))
-        return prompt, list(tokenizer.encode(text, truncation=True, max_length=truncate_to))
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-            return prompt.get("prompt"), ids if truncate_to is None else ids[-truncate_to:]
-        if "prompt" in prompt:
-            return tokenize_prompt(tokenizer, prompt["prompt"], truncate_to)
-        raise ValueError(
-            f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
-        )
-    if isinstance(prompt, list | tuple):
-        return None, list(prompt) if truncate_to is None else list(prompt)[-truncate_to:]
-    raise TypeError(
-        f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
-    )
-
-
-def check_token_ids(prompt_ids: list[int], vocab: int) -> None:
-    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-    if bad:
-        raise ValueError(
-            f"prompt_token_ids contains out-of-vocabulary id(s) {bad[:5]}; "
-            f"valid ids are 0..{vocab - 1}"
-        )
-
-
-def child_request_id(request_id: str, index: int) -> str:
-    """The internal id of sample `index` of a request (its only sequence when n = 1).
-
-    Every sequence gets one, so no user id can equal another request's internal id: the part
-    after the last '#' is always the index, which makes the mapping one-to-one.
-    """
-    return f"{request_id}#{index}"
-
-
-def check_text(text: str, what: str = "the prompt") -> str:
-    """`text` if UTF-8 can encode it, else ValueError. Lone surrogates (undecodable bytes read
-    with errors="surrogateescape", or a broken escape) would reach the tokenizer as a bare
-    TypeError about TextEncodeInput."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = text[exc.start : exc.end]
-        raise ValueError(
-            f"{what} is not valid Unicode text: {bad!r} at character {exc.start} is a lone "
-            "surrogate, which UTF-8 cannot encode (often undecodable bytes in the input); "
-            "remove it or decode the input with errors='replace'"
-        ) from None
-    return text
-
-
-def _fit_to_kv_cache(config: EngineConfig, kv_size: KVCacheSize) -> EngineConfig:
-    """The config the engine serves with: `config` with the context the KV cache allows and,
-    for a hybrid model, no more running requests than it has state slots (the caller's config
-    is left as it was)."""
-    max_model_len = kv_size.max_model_len
-    max_num_seqs = config.scheduler.max_num_seqs
-    if kv_size.num_running_states:
-        max_num_seqs = min(max_num_seqs, kv_size.num_running_states)
-    if (
-        max_model_len == config.model.max_model_len == config.scheduler.max_model_len
-        and max_num_seqs == config.scheduler.max_num_seqs
-    ):
-        return config
-    return replace(
-        config,
-        model=replace(config.model, max_model_len=max_model_len),
-        scheduler=replace(config.scheduler, max_model_len=max_model_len, max_num_seqs=max_num_seqs),
-    )
-
-
-def _eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    eos = getattr(config.model.hf_config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
-
-
-def _generation_config_eos(config: EngineConfig, eos: int | None) -> set[int]:
-    """EOS ids from generation_config.json besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
-    # Read as plain JSON: transformers' GenerationConfig costs a second of imports.
-    file = Path(config.model.model_path) / "generation_config.json"
-    try:
-        ids = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):  # absent (a GGUF file), unreadable, not a dict
-        return set()
-    if isinstance(ids, int) and not isinstance(ids, bool):
-        ids = [ids]
-    if not isinstance(ids, list):
-        return set()
-    found = {i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0}
-    return found - ({eos} if eos is not None else set())

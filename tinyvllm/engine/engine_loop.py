@@ -29,6 +29,7 @@ from tinyvllm.engine.streams import (
     Command,
     CommandFuture,
     EngineDeadError,
+    Feed,
     RequestError,
     Shutdown,
     Sink,
@@ -151,6 +152,8 @@ class EngineLoop:
                 command = self._pending[0]  # left queued until applied: a crash answers it
                 if isinstance(command, Add):
                     self._apply_add(command)
+                elif isinstance(command, Feed):
+                    self._apply_feed(command)
                 elif isinstance(command, Abort):
                     self._apply_abort(command)
                 elif isinstance(command, Call):
@@ -167,7 +170,9 @@ class EngineLoop:
                 # wait, an empty step tells it now instead.
                 self._needs_flush = any(out.finished for out in outputs)
                 stalled = self.engine.last_step_empty and not outputs
-                if stalled and self.engine.has_unfinished_requests():
+                # Streaming requests waiting for input are no deadlock: a Feed wakes the loop.
+                waits = getattr(self.engine, "awaiting_input", False)
+                if stalled and self.engine.has_unfinished_requests() and not waits:
                     logger.warning(
                         "no request can be scheduled; waiting for new requests or aborts"
                     )
@@ -186,12 +191,34 @@ class EngineLoop:
             return  # the caller was cancelled before the add ran
         rid = command.sink.request_id
         try:
-            self.engine.add_request(rid, command.prompt, command.params)
+            if command.streaming:
+                self.engine.add_request(rid, command.prompt, command.params, streaming=True)
+            else:
+                self.engine.add_request(rid, command.prompt, command.params)
         except Exception as exc:
             command.future.set_exception(exc)
             return
         self._sinks[rid] = command.sink
         command.future.set_result(rid)
+
+    def _apply_feed(self, command: Feed) -> None:
+        """Append a chunk to (or end the input of) a streaming request; a chunk the engine
+        refuses fails that request alone, with the engine's message."""
+        rid = command.sink.request_id
+        if self._sinks.get(rid) is not command.sink:
+            return  # finished or aborted meanwhile: the rest of its input has nowhere to go
+        engine = self.engine
+        assert isinstance(engine, Engine)
+        try:
+            if command.error is not None:
+                raise ValueError(command.error)
+            if command.prompt is not None:
+                engine.append_input(rid, command.prompt)
+            if command.end:
+                engine.end_input(rid)
+        except (ValueError, TypeError) as exc:
+            self._needs_flush = True
+            self._dispatch(engine.fail_request(rid, str(exc)))
 
     def _apply_call(self, command: Call) -> None:
         if not command.future.set_running_or_notify_cancel():
@@ -305,8 +332,11 @@ class EngineLoop:
             if not isinstance(command, Shutdown):
                 self._answer(command, error)
 
-    def _answer(self, command: Add | Abort | Call, error: BaseException) -> None:
-        """Resolve a command that will never run: an abort is moot, the rest fail."""
+    def _answer(self, command: Add | Feed | Abort | Call, error: BaseException) -> None:
+        """Resolve a command that will never run: an abort is moot, the rest fail (a Feed's
+        stream fails through its request)."""
+        if isinstance(command, Feed):
+            return
         future = command.future
         if future.done() or (not future.running() and not future.set_running_or_notify_cancel()):
             return  # answered already, or cancelled by its caller

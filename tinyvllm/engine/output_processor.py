@@ -83,6 +83,14 @@ class OutputProcessor:
         if parent.params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
 
+    def reseed(self, parent: ParentState) -> None:
+        """The prompt grew (streaming input) before any output: detokenize against it."""
+        for child in parent.children:
+            assert not child.token_ids, "a prompt cannot grow once output exists"
+            child.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, parent.prompt_token_ids, child.params, special_ids=self.special_ids
+            )
+
     def add_prompt_logprobs(self, request_id: str, entries: list[LogprobEntry]) -> None:
         child = self.children.get(request_id)
         if child is None or child.index != 0 or child.parent.prompt_logprobs is None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from typing import Any
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tinyvllm.config import (
     DEFAULT_MAX_NUM_SEQS,
@@ -16,6 +19,9 @@ from tinyvllm.config import (
     SchedulerConfig,
 )
 from tinyvllm.quant.config import QuantConfig
+
+if TYPE_CHECKING:
+    from tinyvllm.runner.kv_cache import KVCacheSize
 
 logger = logging.getLogger(__name__)
 
@@ -259,3 +265,48 @@ def _bidirectional_media(hf_config: Any) -> bool:
         return resolve_architecture(hf_config)[1].state_kind == "gemma3_mm"
     except ValueError:
         return False  # the model loader names the unsupported architecture
+
+
+def fit_to_kv_cache(config: EngineConfig, kv_size: KVCacheSize) -> EngineConfig:
+    """The config the engine serves with: `config` with the context the KV cache allows and,
+    for a hybrid model, no more running requests than it has state slots (the caller's config
+    is left as it was)."""
+    max_model_len = kv_size.max_model_len
+    max_num_seqs = config.scheduler.max_num_seqs
+    if kv_size.num_running_states:
+        max_num_seqs = min(max_num_seqs, kv_size.num_running_states)
+    if (
+        max_model_len == config.model.max_model_len == config.scheduler.max_model_len
+        and max_num_seqs == config.scheduler.max_num_seqs
+    ):
+        return config
+    return replace(
+        config,
+        model=replace(config.model, max_model_len=max_model_len),
+        scheduler=replace(config.scheduler, max_model_len=max_model_len, max_num_seqs=max_num_seqs),
+    )
+
+
+def eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    eos = getattr(config.model.hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def generation_config_eos(config: EngineConfig, eos: int | None) -> set[int]:
+    """EOS ids from generation_config.json besides the tokenizer's (e.g. Llama 3's <|eot_id|>)."""
+    # Read as plain JSON: transformers' GenerationConfig costs a second of imports.
+    file = Path(config.model.model_path) / "generation_config.json"
+    try:
+        ids = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # absent (a GGUF file), unreadable, not a dict
+        return set()
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        ids = [ids]
+    if not isinstance(ids, list):
+        return set()
+    found = {i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0}
+    return found - ({eos} if eos is not None else set())

@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from tinyvllm.engine.engine import PromptType
+from tinyvllm.engine.prompts import PromptType
 from tinyvllm.outputs import PoolingRequestOutput, RequestOutput
 from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import SamplingParams
@@ -65,6 +65,19 @@ class Add:
     params: SamplingParams | PoolingParams
     sink: Sink
     future: CommandFuture
+    # `prompt` is the first chunk of a streaming-input request (Feed brings the rest).
+    streaming: bool = False
+
+
+@dataclass
+class Feed:
+    """The next input of the streaming request added through `sink`: a chunk, the end of the
+    input, or why the input failed (the request then fails with that message)."""
+
+    sink: Sink
+    prompt: PromptType | None = None
+    end: bool = False
+    error: str | None = None
 
 
 @dataclass
@@ -89,7 +102,7 @@ class Shutdown:
     drain: bool
 
 
-Command = Add | Abort | Call | Shutdown
+Command = Add | Feed | Abort | Call | Shutdown
 
 
 class RequestStream:

@@ -90,6 +90,17 @@ class RequestStates:
         stop_ids = p.stop_ids(new.eos_token_id) if p.min_tokens else set()
         self.min_tokens_ids[row] = sorted(t for t in stop_ids if t < self.vocab_size)
 
+    def append_prompt_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Streaming input: prompt tokens that arrived after the row was filled. They come
+        before any output (the scheduler holds a streaming prompt's last token back)."""
+        n = int(self.num_tokens[row])
+        if n != int(self.num_prompt_tokens[row]):
+            raise RuntimeError("prompt tokens cannot be appended after output tokens")
+        end = n + len(token_ids)
+        self.token_ids[row, n:end] = torch.tensor(token_ids, dtype=torch.int64)
+        self.num_tokens[row] = end
+        self.num_prompt_tokens[row] = end
+
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
