@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.engine.audio_inputs import output_limit
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
@@ -106,6 +107,9 @@ class Engine:
 
         max_model_len = self.config.model.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        audio_limit = output_limit(mm_features, len(prompt_ids))
+        if audio_limit is not None:  # realtime speech: one token per audio position
+            max_tokens = min(max_tokens, audio_limit)
         if self.extra_stop_ids and not params.ignore_eos:
             stop_ids = sorted(set(params.stop_token_ids or []) | self.extra_stop_ids)
             params = replace(params, stop_token_ids=stop_ids)
