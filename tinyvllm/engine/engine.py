@@ -11,6 +11,7 @@ from typing import Any
 from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.scheduler import Scheduler
+from tinyvllm.engine.audio_inputs import output_limit
 from tinyvllm.engine.input_streams import InputStreams
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.prompts import (  # noqa: F401  (re-exported: the engine's input API)
@@ -120,6 +121,9 @@ class Engine:
 
         max_model_len = self.config.model.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        audio_limit = output_limit(mm_features, len(prompt_ids))
+        if audio_limit is not None:  # realtime speech: one token per audio position
+            max_tokens = min(max_tokens, audio_limit)
         if self.extra_stop_ids and not params.ignore_eos:
             stop_ids = sorted(set(params.stop_token_ids or []) | self.extra_stop_ids)
             params = replace(params, stop_token_ids=stop_ids)

@@ -134,6 +134,11 @@ class MultiModalProcessor:
                 f"got {type(mm_data).__name__}"
             )
         unknown = sorted(set(mm_data) - set(_MODALITIES))
+        if "audio" in unknown:
+            raise ValueError(
+                "this model cannot take audio in multi_modal_data; use a speech model such as "
+                "Voxtral Realtime (VoxtralRealtimeForConditionalGeneration)"
+            )
         if unknown:
             raise ValueError(
                 f"multi_modal_data has unknown key(s) {unknown}; supported: 'image', 'video'"
@@ -246,8 +251,13 @@ class MultiModalProcessor:
 def create_mm_processor(
     hf_config: Any, model_path: str, max_model_len: int, video_pruning_rate: float, tokenizer: Any
 ) -> Any:
-    """The model's prompt-media processor: Gemma 3's for Gemma 3 vision-language checkpoints,
-    else the Qwen-VL style one (disabled for text-only models)."""
+    """The model's prompt-media processor: the realtime audio one for Voxtral Realtime, Gemma
+    3's for Gemma 3 vision-language checkpoints, else the Qwen-VL style one (disabled for
+    text-only models)."""
+    if getattr(hf_config, "model_type", None) == "voxtral_realtime":
+        from tinyvllm.engine.audio_inputs import RealtimeAudioProcessor
+
+        return RealtimeAudioProcessor(hf_config, model_path)
     if getattr(hf_config, "model_type", None) == "gemma3" and hasattr(hf_config, "vision_config"):
         from tinyvllm.engine.gemma3_mm_inputs import Gemma3MultiModalProcessor
 

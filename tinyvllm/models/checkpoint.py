@@ -88,11 +88,12 @@ _TEXT_FIELDS = (
 
 
 def lift_text_config(config: Any) -> Any:
-    """A vision-language config keeps its language model's sizes in `text_config`
+    """A vision-language (or speech) config keeps its language model's sizes in `text_config`
     (transformers v5); copy the ones the engine reads (KV sizing, context length, checks) onto
     the top level, where text models have them, so every reader looks in one place."""
     text = getattr(config, "text_config", None)
-    if text is None or getattr(config, "vision_config", None) is None:
+    towers = getattr(config, "vision_config", None) or getattr(config, "audio_config", None)
+    if text is None or towers is None:
         return config
     for name in _TEXT_FIELDS:
         if getattr(config, name, None) is None and getattr(text, name, None) is not None:

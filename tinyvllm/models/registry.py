@@ -19,7 +19,8 @@ class ModelEntry:
     class_name: str
     # Which runner model state (tinyvllm.runner.model_states) handles this model: "default"
     # (plain text), "mrope" (Qwen-VL: M-RoPE positions, vision inputs), "mamba_hybrid"
-    # (recurrent state slots: short-conv / Mamba layers beside attention).
+    # (recurrent state slots: short-conv / Mamba layers beside attention), "realtime" (audio
+    # embeddings added to every position, prompt and decode: Voxtral Realtime).
     state_kind: str = "default"
     # What the model can run as: "generate" (text, with a KV cache) and/or "pooling"
     # (embeddings; decoders pool their hidden states, encoders have nothing else).
@@ -62,6 +63,12 @@ _MODELS: Mapping[str, ModelEntry] = MappingProxyType(
         ),
         "Qwen2ForCausalLM": ModelEntry(_LLAMA, "Qwen2ForCausalLM"),
         "Qwen3ForCausalLM": ModelEntry(_LLAMA, "Qwen3ForCausalLM"),
+        "VoxtralRealtimeForConditionalGeneration": ModelEntry(
+            "tinyvllm.models.voxtral_realtime",
+            "VoxtralRealtimeForConditionalGeneration",
+            "realtime",
+            _GENERATE,
+        ),
         "Qwen2_5_VLForConditionalGeneration": ModelEntry(
             "tinyvllm.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "mrope"
         ),

@@ -4,7 +4,8 @@
 models), "mrope" (Qwen-VL: M-RoPE positions, vision encoder outputs merged into the
 embeddings; with video_pruning_rate > 0 the EVS pruning state), "gemma3_mm" (Gemma 3 VLM:
 1-D positions, image embeddings merged, bidirectional image spans), "mamba_hybrid" (recurrent
-state slots).
+state slots), "realtime" (Voxtral Realtime: streaming audio embeddings added to every
+position, prompt and decode).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tinyvllm.runner.model_states.gemma3_mm import Gemma3MMModelState
 from tinyvllm.runner.model_states.interface import ModelInputs, ModelState
 from tinyvllm.runner.model_states.mamba_hybrid import MambaHybridModelState
 from tinyvllm.runner.model_states.mrope import MRopeModelState
+from tinyvllm.runner.model_states.realtime import RealtimeModelState
 from tinyvllm.runner.model_states.video_pruning import VideoPruningModelState
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "MambaHybridModelState",
     "ModelInputs",
     "ModelState",
+    "RealtimeModelState",
     "VideoPruningModelState",
     "create_model_state",
     "model_state_class",
@@ -39,6 +42,7 @@ _KINDS = MappingProxyType(
         "gemma3_mm": Gemma3MMModelState,
         "mamba_hybrid": MambaHybridModelState,
         "mrope": MRopeModelState,
+        "realtime": RealtimeModelState,
     }
 )
 
