@@ -55,6 +55,20 @@ async def collect(gen: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
     return [out async for out in gen]
 
 
+async def failure_beside(
+    bad: AsyncIterator[RequestOutput], good: AsyncIterator[RequestOutput]
+) -> tuple[RequestError | None, list[RequestOutput]]:
+    """Run a request that should fail beside one that should not: (the first's RequestError,
+    None if it did not fail; the second's outputs)."""
+    failing = asyncio.create_task(collect(bad))
+    outputs = await collect(good)
+    try:
+        await failing
+    except RequestError as exc:
+        return exc, outputs
+    return None, outputs
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_models) -> LLM:
     return LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=256)
@@ -287,16 +301,8 @@ def test_a_bad_chunk_fails_only_its_request(llm: LLM, start, second, message) ->
         else:
             yield StreamingInput(second)
 
-    async def main() -> tuple[BaseException | None, list[RequestOutput]]:
-        bad = asyncio.create_task(collect(a.generate(chunks(), greedy(4))))
-        others = await collect(a.generate({"prompt_token_ids": other}, greedy(8)))
-        try:
-            await bad
-        except RequestError as exc:
-            return exc, others
-        return None, others
-
-    error, others = run(main())
+    bad = a.generate(chunks(), greedy(4))
+    error, others = run(failure_beside(bad, a.generate({"prompt_token_ids": other}, greedy(8))))
     assert isinstance(error, RequestError) and message in str(error), error
     assert error.output is not None and error.output.outputs[0].finish_reason == "error"
     assert others[-1].outputs[0].token_ids == expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tinyvllm.sampling_params import SamplingParams
 
@@ -32,6 +32,14 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
+
+
+class InputGate(Protocol):
+    """How far a streaming request's input has arrived (a realtime model's AudioStream)."""
+
+    def positions_ready(self) -> int:
+        """Positions p whose input has fully arrived: p may be computed iff p < this."""
+        ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,15 +83,14 @@ class Request:
     # Images / videos of the prompt, in prompt order (empty for text); audio chunks of a
     # streaming-input request, in arrival order.
     mm_features: list[MultiModalFeature] = field(default_factory=list)
-    # Streaming input (`AsyncLLM.generate` over StreamingInput chunks): the positions whose
-    # input has arrived (None: all of them; a realtime audio model's positions with audio), and
-    # whether more prompt tokens may still come, which holds back the last received one: the
-    # token sampled after it would be wrong once the prompt grows.
-    input_limit: int | None = None
+    # Streaming input (`AsyncLLM.generate` over StreamingInput chunks): what says how many
+    # positions have their input (None: all do; a realtime model's audio stream), and whether
+    # more prompt tokens may still come, which holds back the last received one: the token
+    # sampled after it would be wrong once the prompt grows.
+    input_gate: InputGate | None = field(default=None, repr=False)
     awaiting_prompt: bool = False
-    # How much of the input the model runner holds: the scheduler sends it what came since.
+    # Prompt tokens the model runner holds: the scheduler sends it those that came since.
     num_runner_prompt_tokens: int = 0
-    num_runner_mm_features: int = 0
 
     def __post_init__(self) -> None:
         self.stop_token_ids: frozenset[int] = frozenset(
@@ -107,19 +114,24 @@ class Request:
         return self.num_tokens + len(self.spec_token_ids)
 
     @property
+    def input_limit(self) -> int | None:
+        """Positions whose input has arrived (None: all of them)."""
+        return None if self.input_gate is None else self.input_gate.positions_ready()
+
+    @property
     def num_input_tokens(self) -> int:
         """Tokens whose whole input has arrived (what the prefix cache may hash)."""
-        if self.input_limit is None:
-            return self.num_tokens
-        return min(self.num_tokens, self.input_limit)
+        limit = self.input_limit
+        return self.num_tokens if limit is None else min(self.num_tokens, limit)
 
     @property
     def num_schedulable_tokens(self) -> int:
         """How far the scheduler may compute: every token (with drafts) of an ordinary request;
         for a streaming-input request only as far as its input has arrived."""
         n = self.num_tokens_with_spec
-        if self.input_limit is not None:
-            n = min(n, self.input_limit)
+        limit = self.input_limit
+        if limit is not None:
+            n = min(n, limit)
         if self.awaiting_prompt:
             n = min(n, self.num_prompt_tokens - 1)
         return n

@@ -34,10 +34,10 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
-    # Streaming input: prompt tokens and media that arrived for a request since the runner
-    # last saw it (request id -> what is new, in order; absent when nothing is).
+    # Streaming input: prompt tokens that arrived for a request since the runner last saw it
+    # (request id -> the new tokens; absent when none did). Streamed audio needs no entry:
+    # the runner reads the request's AudioStream, which its audio features share.
     appended_prompt_ids: dict[str, list[int]] = field(default_factory=dict)
-    appended_mm_features: dict[str, list[MultiModalFeature]] = field(default_factory=dict)
 
 
 @dataclass

@@ -235,7 +235,6 @@ class Scheduler:
         state_slot, restore_slot = self.kv.state_slots(request)
         # Copies: a streaming-input request's prompt and media keep growing.
         request.num_runner_prompt_tokens = request.num_prompt_tokens
-        request.num_runner_mm_features = len(request.mm_features)
         plan.new_reqs.append(
             NewRequestData(
                 req_id=request.request_id,
@@ -255,16 +254,11 @@ class Scheduler:
 
     @staticmethod
     def _send_appended_input(request: Request, cached: CachedRequestData) -> None:
-        """Streaming input: the prompt tokens and media the runner's copy of `request` lacks."""
-        rid = request.request_id
+        """Streaming input: the prompt tokens the runner's copy of `request` lacks."""
         if request.num_runner_prompt_tokens < request.num_prompt_tokens:
-            cached.appended_prompt_ids[rid] = request.prompt_token_ids[
-                request.num_runner_prompt_tokens :
-            ]
+            new = request.prompt_token_ids[request.num_runner_prompt_tokens :]
+            cached.appended_prompt_ids[request.request_id] = new
             request.num_runner_prompt_tokens = request.num_prompt_tokens
-        if request.num_runner_mm_features < len(request.mm_features):
-            cached.appended_mm_features[rid] = request.mm_features[request.num_runner_mm_features :]
-            request.num_runner_mm_features = len(request.mm_features)
 
     def _fit_spans(self, request: Request, num_new: int) -> int:
         """`num_new` cut so that the chunk splits no media span (`atomic_mm_spans`): it ends

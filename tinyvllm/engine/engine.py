@@ -11,7 +11,6 @@ from typing import Any
 from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.scheduler import Scheduler
-from tinyvllm.engine.audio_inputs import output_limit
 from tinyvllm.engine.input_streams import InputStreams
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.prompts import (  # noqa: F401  (re-exported: the engine's input API)
@@ -24,6 +23,7 @@ from tinyvllm.engine.prompts import (  # noqa: F401  (re-exported: the engine's 
 )
 from tinyvllm.engine.setup import eos_token_id, fit_to_kv_cache, generation_config_eos
 from tinyvllm.engine.stats import StatsCollector
+from tinyvllm.multimodal.audio_stream import audio_stream_of
 from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.request import MultiModalFeature, Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
@@ -114,6 +114,8 @@ class Engine:
                 "one stream per sample"
             )
         request_id = self._new_request_id(request_id)
+        if streaming:
+            prompt = self.input_streams.first_chunk(prompt)
         prompt_text, prompt_ids = self._tokenize(prompt)
         prompt_ids, mm_features = self._multimodal(prompt, prompt_ids)
         self._validate_prompt(prompt_ids)
@@ -121,6 +123,9 @@ class Engine:
 
         max_model_len = self.config.model.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        # Here, not at module level: audio_inputs loads torch, which `import tinyvllm` must not.
+        from tinyvllm.engine.audio_inputs import output_limit
+
         audio_limit = output_limit(mm_features, len(prompt_ids))
         if audio_limit is not None:  # realtime speech: one token per audio position
             max_tokens = min(max_tokens, audio_limit)
@@ -157,6 +162,8 @@ class Engine:
                     max_tokens=max_tokens,
                     arrival_time=arrival,
                     mm_features=mm_features,
+                    # A realtime model's positions wait for their audio.
+                    input_gate=audio_stream_of(mm_features),
                 )
                 if streaming:
                     self.input_streams.start(parent, request)
@@ -171,9 +178,16 @@ class Engine:
         the request left as it was; the caller decides whether it fails)."""
         self.input_streams.append(request_id, prompt)
 
-    def end_input(self, request_id: str) -> None:
-        """A streaming request's input is complete: it generates to its end."""
-        self.input_streams.end(request_id)
+    def end_input(self, request_id: str) -> list[RequestOutput]:
+        """A streaming request's input is complete: it generates to its end. Returns its final
+        output when that end is reached already (a realtime request whose audio is all
+        transcribed)."""
+        request = self.input_streams.end(request_id)
+        if request.num_output_tokens < request.max_tokens:
+            return []
+        self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_LENGTH_CAPPED)
+        self.output_processor.finish(request.request_id, "length")
+        return self._collect({request_id: self.parents[request_id]})
 
     def fail_request(self, request_id: str, message: str) -> list[RequestOutput]:
         """End a request with an error (finish_reason "error"): its final outputs."""

@@ -215,7 +215,7 @@ class EngineLoop:
             if command.prompt is not None:
                 engine.append_input(rid, command.prompt)
             if command.end:
-                engine.end_input(rid)
+                self._dispatch(engine.end_input(rid))
         except (ValueError, TypeError) as exc:
             self._needs_flush = True
             self._dispatch(engine.fail_request(rid, str(exc)))

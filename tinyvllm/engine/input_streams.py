@@ -4,7 +4,8 @@ A streaming request is an ordinary Request whose prompt (text models) or media (
 audio models) keeps growing. What the scheduler needs is two facts on the Request:
 `awaiting_prompt` (more prompt tokens may come, so the last received one is held back: the
 token sampled after it would be wrong once the prompt grows) and `input_limit` (positions whose
-input has arrived). The scheduler computes only that far, so a stalled stream simply has
+input has arrived: a realtime model's AudioStream, which the request's audio features share
+with the model runner). The scheduler computes only that far, so a stalled stream simply has
 nothing to run while the others go on.
 """
 
@@ -13,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.prompts import PromptType, check_text, check_token_ids
+from tinyvllm.multimodal.audio_stream import AudioStream, audio_stream_of
 from tinyvllm.request import Request
 
 
@@ -48,11 +52,29 @@ class InputStreams:
         """Whether some request waits for input (then an idle engine is not stuck)."""
         return any(not s.ended for s in self.streams.values())
 
+    def first_chunk(self, prompt: PromptType) -> PromptType:
+        """The prompt a streaming request is added with. For a realtime audio model its audio
+        (none yet, or the first chunk's) becomes an open AudioStream that later chunks extend;
+        its prompt tokens are complete."""
+        if not getattr(self.mm_processor, "realtime", False):
+            return prompt
+        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+            raise ValueError(
+                "the first input chunk for a realtime audio model is {'prompt_token_ids': "
+                "[...], 'multi_modal_data': {'audio': samples}} (the audio may come later)"
+            )
+        data = dict(prompt.get("multi_modal_data") or {})
+        audio = AudioStream(self.mm_processor.frame_config)
+        if data.get("audio") is not None:
+            self._extend(audio, data["audio"])
+        return {**prompt, "multi_modal_data": {**data, "audio": audio}}
+
     def start(self, parent: ParentState, request: Request) -> None:
         """`request` (the only sample of `parent`) takes more input from now on."""
         # One list: the outputs report the prompt as it grows.
         parent.prompt_token_ids = request.prompt_token_ids
-        request.awaiting_prompt = True
+        # A realtime request's prompt is complete; its audio gates it (`input_gate`).
+        request.awaiting_prompt = request.input_gate is None
         self.streams[parent.request_id] = InputStream(parent, request)
 
     def append(self, request_id: str, prompt: PromptType) -> None:
@@ -70,6 +92,12 @@ class InputStreams:
             self._append_media(stream, data)
         if not token_ids:
             return
+        if request.input_gate is not None:
+            raise ValueError(
+                f"request {request_id!r} is a realtime audio request: its later chunks carry "
+                "audio only ({'multi_modal_data': {'audio': samples}}); its prompt tokens come "
+                "in the first chunk"
+            )
         if request.output_token_ids:
             raise ValueError(
                 f"request {request_id!r} is generating already: prompt tokens can no longer be "
@@ -91,13 +119,30 @@ class InputStreams:
         # Nothing was generated yet: detokenize the output against the prompt as it is now.
         self.output_processor.reseed(parent)
 
-    def end(self, request_id: str) -> None:
-        """No more input will come: the request runs to its end."""
+    def end(self, request_id: str) -> Request:
+        """No more input will come: the request runs to its end (a realtime request: to one
+        token per position of its audio, as offline). Returns the request."""
         stream = self._stream(request_id)
         if stream.ended:
             raise ValueError(f"request {request_id!r} got a second end of input")
+        request = stream.request
+        audio = audio_stream_of(request.mm_features)
+        if audio is not None:
+            audio.end()
+            self._note_ready(request, audio)
+            limit = audio.sequence_limit()
+            assert limit is not None
+            if limit <= request.num_prompt_tokens:
+                raise ValueError(
+                    f"request {request_id!r}: its audio ({audio.num_samples} samples) gives "
+                    f"{limit} decoder positions, no more than the prompt's "
+                    f"{request.num_prompt_tokens} tokens, so there is nothing to transcribe; "
+                    f"send at least {audio.config.samples_per_position} samples per position"
+                )
+            request.max_tokens = min(request.max_tokens, limit - request.num_prompt_tokens)
         stream.ended = True
-        stream.request.awaiting_prompt = False
+        request.awaiting_prompt = False
+        return request
 
     def forget(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
@@ -140,11 +185,46 @@ class InputStreams:
         )
 
     def _append_media(self, stream: InputStream, data: Any) -> None:
-        append = getattr(self.mm_processor, "append_stream_media", None)
-        if append is None:
+        request = stream.request
+        audio = audio_stream_of(request.mm_features)
+        if audio is None:
             kinds = sorted(data) if isinstance(data, dict) else [type(data).__name__]
             raise ValueError(
-                f"this model takes no streamed media ({', '.join(kinds)}): it is a text-only "
-                "model here; stream prompt tokens or text, or serve a realtime audio model"
+                f"this model takes no streamed media ({', '.join(map(str, kinds))}): it is a "
+                "text-only model here; stream prompt tokens or text, or serve a realtime audio "
+                "model"
             )
-        append(stream.request, data)
+        unknown = sorted(set(data) - {"audio"}) if isinstance(data, dict) else ["?"]
+        if unknown:
+            raise ValueError(
+                f"multi_modal_data of an input chunk has unsupported key(s) {unknown}; a "
+                "realtime audio model takes {'audio': samples}"
+            )
+        self._extend(audio, data["audio"])
+        self._note_ready(request, audio)
+
+    @staticmethod
+    def _extend(audio: AudioStream, item: Any) -> None:
+        """Append one chunk's samples (an empty chunk adds nothing)."""
+        samples = item[0] if isinstance(item, tuple) else item
+        rate = audio.config.sampling_rate
+        if isinstance(item, tuple) and len(item) == 2 and item[1] != rate:
+            # Resampling chunk by chunk would click at every boundary.
+            raise ValueError(
+                f"streamed audio must be at {rate} Hz, got a chunk at {item[1]} Hz; resample "
+                f"the whole stream to {rate} Hz before sending it"
+            )
+        if isinstance(samples, np.ndarray) and samples.size == 0:
+            return
+        # Here: the resampler loads torch, which `import tinyvllm` must not.
+        from tinyvllm.multimodal.audio import audio_samples
+
+        audio.append(audio_samples(item, audio.config.sampling_rate))
+
+    @staticmethod
+    def _note_ready(request: Request, audio: AudioStream) -> None:
+        """Key the newly ready positions' audio for the prefix cache (one feature per range)."""
+        known = request.mm_features[-1].end if request.mm_features else 0
+        ready = audio.positions_ready()
+        if ready > known:
+            request.mm_features.append(audio.chunk_feature(known, ready))

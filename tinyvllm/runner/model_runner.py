@@ -16,7 +16,7 @@ import torch
 
 from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.config import EngineConfig
-from tinyvllm.core.outputs import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.loader import module_bytes
 from tinyvllm.models.registry import resolve_architecture
 from tinyvllm.platforms import Platform
@@ -189,7 +189,8 @@ class ModelRunner:
             row = states.req_id_to_row[req_id]
             states.append_blocks(row, block_ids)
             states.num_computed_tokens[row] = num_computed
-        self._append_input(cached, failed)
+        for req_id, token_ids in cached.appended_prompt_ids.items():  # streaming input
+            states.append_prompt_tokens(states.req_id_to_row[req_id], token_ids)
         scheduled = {r: n for r, n in sched.num_scheduled_tokens.items() if r not in failed}
         if not scheduled:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=failed)
@@ -256,18 +257,6 @@ class ModelRunner:
                     f"{type(exc).__name__}: {exc}"
                 )
         return failed
-
-    def _append_input(self, cached: CachedRequestData, failed: dict[str, str]) -> None:
-        """Streaming input that arrived for requests the runner holds; a request whose input
-        the model cannot take fails alone."""
-        states = self.states
-        for req_id, token_ids in cached.appended_prompt_ids.items():
-            states.append_prompt_tokens(states.req_id_to_row[req_id], token_ids)
-        for req_id, features in cached.appended_mm_features.items():
-            try:
-                self.model_state.append_features(states.req_id_to_row[req_id], features)
-            except ValueError as exc:
-                failed[req_id] = str(exc)
 
     def _sample(
         self, batch: InputBatch, hidden: torch.Tensor

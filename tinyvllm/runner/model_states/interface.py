@@ -28,7 +28,6 @@ from torch import nn
 
 from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.core.outputs import NewRequestData, SchedulerOutput
-from tinyvllm.request import MultiModalFeature
 from tinyvllm.runner.input_batch import InputBatch
 
 
@@ -71,17 +70,6 @@ class ModelState(ABC):
         A hybrid model claims the row's recurrent-state slot here and fills it: zeros for a
         fresh prompt, or a copy of the snapshot stored with the last prefix-cache hit block
         (`new.num_computed_tokens` says how far the hit reaches)."""
-
-    def append_features(self, row: int, features: list[MultiModalFeature]) -> None:
-        """Streaming input: media (audio chunks) that arrived for the request in runner row
-        `row` after it joined, in order. Runs before the step's forward; ValueError fails that
-        request alone. The default takes none: the model has no streaming media input."""
-        if features:
-            modalities = sorted({f.modality for f in features})
-            raise ValueError(
-                f"this model takes no streamed {'/'.join(modalities)} input; stream prompt "
-                "tokens or text only, or serve a realtime audio model"
-            )
 
     def remove_request(self, row: int) -> None:  # noqa: B027
         """Runner row `row` is free again (its request finished, was aborted or preempted);
