@@ -8,6 +8,7 @@ import sys
 from tinyvllm.cli.commands import add_tui_arguments, cmd_chat, cmd_models, cmd_serve, cmd_tui
 from tinyvllm.cli.common import add_engine_args
 from tinyvllm.cli.generate import cmd_check, cmd_generate
+from tinyvllm.cli.transcribe import add_transcribe_arguments
 
 DESCRIPTION = (
     "Command line: `tinyvllm generate | check | chat | serve | transcribe | models | tui`."
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_serve_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    add_transcribe_arguments(sub)
 
     models = sub.add_parser("models", help="list the model catalog and what is on disk")
     models.add_argument("search", nargs="?", default="", help="only entries matching this text")

@@ -23,7 +23,6 @@ from tinyvllm.engine.prompts import (  # noqa: F401  (re-exported: the engine's 
 )
 from tinyvllm.engine.setup import eos_token_id, fit_to_kv_cache, generation_config_eos
 from tinyvllm.engine.stats import StatsCollector
-from tinyvllm.multimodal.audio_stream import audio_stream_of
 from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.request import MultiModalFeature, Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
@@ -125,6 +124,7 @@ class Engine:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
         # Here, not at module level: audio_inputs loads torch, which `import tinyvllm` must not.
         from tinyvllm.engine.audio_inputs import output_limit
+        from tinyvllm.multimodal.audio_stream import audio_stream_of
 
         audio_limit = output_limit(mm_features, len(prompt_ids))
         if audio_limit is not None:  # realtime speech: one token per audio position

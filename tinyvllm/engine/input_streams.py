@@ -12,14 +12,14 @@ nothing to run while the others go on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from tinyvllm.engine.output_processor import OutputProcessor, ParentState
 from tinyvllm.engine.prompts import PromptType, check_text, check_token_ids
-from tinyvllm.multimodal.audio_stream import AudioStream, audio_stream_of
 from tinyvllm.request import Request
+
+if TYPE_CHECKING:
+    from tinyvllm.multimodal.audio_stream import AudioStream
 
 
 @dataclass(eq=False)
@@ -63,6 +63,8 @@ class InputStreams:
                 "the first input chunk for a realtime audio model is {'prompt_token_ids': "
                 "[...], 'multi_modal_data': {'audio': samples}} (the audio may come later)"
             )
+        from tinyvllm.multimodal.audio_stream import AudioStream
+
         data = dict(prompt.get("multi_modal_data") or {})
         audio = AudioStream(self.mm_processor.frame_config)
         if data.get("audio") is not None:
@@ -126,7 +128,7 @@ class InputStreams:
         if stream.ended:
             raise ValueError(f"request {request_id!r} got a second end of input")
         request = stream.request
-        audio = audio_stream_of(request.mm_features)
+        audio = _audio_of(request)
         if audio is not None:
             audio.end()
             self._note_ready(request, audio)
@@ -186,7 +188,7 @@ class InputStreams:
 
     def _append_media(self, stream: InputStream, data: Any) -> None:
         request = stream.request
-        audio = audio_stream_of(request.mm_features)
+        audio = _audio_of(request)
         if audio is None:
             kinds = sorted(data) if isinstance(data, dict) else [type(data).__name__]
             raise ValueError(
@@ -214,10 +216,13 @@ class InputStreams:
                 f"streamed audio must be at {rate} Hz, got a chunk at {item[1]} Hz; resample "
                 f"the whole stream to {rate} Hz before sending it"
             )
+        # Here: numpy and the resampler's torch stay out of `import tinyvllm`.
+        import numpy as np
+
+        from tinyvllm.multimodal.audio import audio_samples
+
         if isinstance(samples, np.ndarray) and samples.size == 0:
             return
-        # Here: the resampler loads torch, which `import tinyvllm` must not.
-        from tinyvllm.multimodal.audio import audio_samples
 
         audio.append(audio_samples(item, audio.config.sampling_rate))
 
@@ -228,3 +233,12 @@ class InputStreams:
         ready = audio.positions_ready()
         if ready > known:
             request.mm_features.append(audio.chunk_feature(known, ready))
+
+
+def _audio_of(request: Request) -> AudioStream | None:
+    """The request's AudioStream (a realtime model's), None for text."""
+    if request.input_gate is None:
+        return None
+    from tinyvllm.multimodal.audio_stream import audio_stream_of
+
+    return audio_stream_of(request.mm_features)
