@@ -10,7 +10,7 @@ import asyncio
 import secrets
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,6 +30,7 @@ from tinyvllm.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from tinyvllm.server.realtime import RealtimeSession
 from tinyvllm.server.serving import ClientGone, ServerState
 
 # Endpoints anyone may call with --api-key set: load balancers probe it without a key.
@@ -127,6 +128,10 @@ def build_app(state: ServerState) -> FastAPI:
                 f"tokens {bad[:5]} are outside the vocabulary 0..{vocab - 1}", "tokens"
             )
         return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.websocket("/v1/realtime")
+    async def realtime(websocket: WebSocket) -> None:
+        await RealtimeSession(websocket, state).run()
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
