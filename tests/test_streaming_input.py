@@ -323,6 +323,17 @@ def test_bad_streams_at_submission(llm: LLM, start) -> None:
             await collect(a.generate(feed([[1, 2]]), params))
         with pytest.raises(ValueError, match="the prompt is empty"):
             await collect(a.generate(feed([[]]), greedy()))
+        closed = []
+
+        async def not_chunks() -> AsyncIterator[Any]:
+            try:
+                yield [1, 2]
+            finally:
+                closed.append(True)
+
+        with pytest.raises(ValueError, match="must yield StreamingInput chunks"):
+            await collect(a.generate(not_chunks(), greedy()))
+        assert closed == [True]
 
     run(main())
 

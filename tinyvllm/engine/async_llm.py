@@ -107,18 +107,16 @@ class AsyncLLM:
         """
         outputs: asyncio.Queue[StreamItem] = asyncio.Queue()
         sink = Sink(new_request_id(request_id), outputs.put_nowait, asyncio.get_running_loop())
-        chunks: AsyncIterator[StreamingInput] | None = None
+        chunks = aiter(prompt) if isinstance(prompt, AsyncIterable) else None
         feeder: asyncio.Task[None] | None = None
-        if isinstance(prompt, AsyncIterable):
-            chunks = aiter(prompt)
-            first = await _first_chunk(chunks)
-            params = first.sampling_params or sampling_params
-            added = self._submit(first.prompt, params, sink, streaming=True)
-        else:
-            added = self._submit(prompt, sampling_params, sink)
         done = False
         try:
-            await added
+            if chunks is not None:
+                first = await _first_chunk(chunks)
+                params = first.sampling_params or sampling_params
+                await self._submit(first.prompt, params, sink, streaming=True)
+            else:
+                await self._submit(prompt, sampling_params, sink)
             if chunks is not None:
                 feeder = asyncio.create_task(self._feed(chunks, sink))
             while not done:
@@ -131,7 +129,7 @@ class AsyncLLM:
         finally:
             if feeder is not None:
                 feeder.cancel()
-            elif chunks is not None:  # the add failed: the iterator is not read any more
+            elif chunks is not None:  # not added: the iterator is not read any more
                 await _close(chunks)
             if not done:
                 self._engine_loop.walk_away(sink)
@@ -338,7 +336,6 @@ async def _first_chunk(chunks: AsyncIterator[StreamingInput]) -> StreamingInput:
             "at least one chunk"
         ) from None
     if not isinstance(first, StreamingInput):
-        await _close(chunks)
         raise ValueError(_not_a_chunk(first))
     return first
 
