@@ -149,8 +149,8 @@ def test_prefix_cache_keys_on_audio_content(vox_dir: Path) -> None:
 def test_preemption_reencodes_the_received_audio(vox_dir: Path, hf: Any) -> None:
     """Requests preempted for KV blocks drop their encoder cache and re-encode on resume:
     HF's tokens all the same."""
-    llm = make_llm(vox_dir, num_gpu_blocks_override=10, block_size=4, max_model_len=40)
-    clips = [random_audio(2.0, seed=s) for s in (6, 7, 8)]
+    llm = make_llm(vox_dir, num_gpu_blocks_override=8, block_size=4, max_model_len=32)
+    clips = [random_audio(1.2, seed=s) for s in (6, 7, 8)]
     outs = llm.generate([audio_prompt(c) for c in clips], greedy(), use_tqdm=False)
     assert llm.get_stats().total_preemptions > 0
     for out, clip in zip(outs, clips, strict=True):
