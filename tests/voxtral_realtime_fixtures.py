@@ -56,6 +56,15 @@ def build_tiny_voxtral(
     return out_dir
 
 
+def make_llm(path: Path, **kwargs: Any) -> Any:
+    """Our engine on the checkpoint: float32, eager, a small KV cache."""
+    from tinyvllm import LLM
+
+    options = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True,
+               "kv_cache_memory_bytes": 2**22, "seed": 0}  # fmt: skip
+    return LLM(str(path), **(options | kwargs))
+
+
 def hf_model(path: Path) -> Any:
     from transformers import VoxtralRealtimeForConditionalGeneration
 
