@@ -145,3 +145,19 @@ def test_api_key_guards_the_websocket(engine: AsyncLLM) -> None:
             run(exchange(url, [], additional_headers={"Authorization": "Bearer wrong"}))
         events = run(exchange(url, [], additional_headers={"Authorization": "Bearer sekrit"}))
         assert events[0]["type"] == "session.created"
+
+
+def test_the_input_buffer_is_bounded(ws_url: str, engine: AsyncLLM) -> None:
+    """Audio buffered before a commit is bounded by what one request could ever use."""
+    too_much = b"\x00\x00" * (64 * 16000 + 1)  # max_model_len 64 positions of a second each
+    messages = [pcm_event(too_much[:-2]), pcm_event(b"\x00\x00" * 2)]
+
+    async def main() -> dict:
+        async with connect(ws_url, max_size=None) as ws:
+            await ws.recv()
+            for message in messages:
+                await ws.send(message)
+            return json.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))
+
+    refused = run(main())
+    assert refused["code"] == "buffer_full" and "exceed 1024000 samples" in refused["error"]

@@ -20,7 +20,8 @@ class StreamingInput:
     input) or, for a realtime audio model, as the audio for each position arrives.
 
     `sampling_params` may be set on the first chunk only (it then replaces the ones passed to
-    `generate`); text chunks after the first are tokenized without special tokens.
+    `generate`); text chunks after the first are tokenized without special tokens. The engine
+    thread reads a chunk shortly after it is yielded: do not modify its arrays afterwards.
     """
 
     prompt: str | list[int] | dict[str, Any]

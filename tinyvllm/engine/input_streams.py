@@ -224,7 +224,8 @@ class InputStreams:
         if isinstance(samples, np.ndarray) and samples.size == 0:
             return
 
-        audio.append(audio_samples(item, audio.config.sampling_rate))
+        # A copy: the caller may reuse its buffer (a recorder's ring) for the next chunk.
+        audio.append(np.array(audio_samples(item, rate), dtype=np.float32))
 
     @staticmethod
     def _note_ready(request: Request, audio: AudioStream) -> None:
