@@ -355,3 +355,22 @@ def test_engine_api_refuses_a_chunk_after_end_of_input(llm: LLM) -> None:
     with pytest.raises(ValueError, match="not a streaming-input request in flight"):
         engine.append_input(rid, [25])
     assert_engine_clean(engine)
+
+
+def test_a_hybrid_model_streams_too(tokenizer_dir, tmp_path) -> None:
+    """LFM2 (recurrent conv state per request, prefix-cache snapshots on block boundaries):
+    chunks that arrive while the prompt is computed give the whole prompt's tokens."""
+    from lfm2_checkpoint import build_tiny_lfm2
+
+    path = build_tiny_lfm2(tmp_path / "lfm2", tokenizer_dir)
+    hybrid = LLM(str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=24)
+    prompt = random_prompt(12, 70)
+    expected = reference(hybrid, prompt, 8)
+    hybrid.engine.reset_prefix_cache()
+    a = AsyncLLM(hybrid.engine)
+    try:
+        outs = run(collect(a.generate(feed(split(prompt, [9, 30, 31]), delay=0.02), greedy(8))))
+    finally:
+        a.shutdown(timeout=TIMEOUT)
+    assert outs[-1].outputs[0].token_ids == expected
+    assert_engine_clean(hybrid.engine)
