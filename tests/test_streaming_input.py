@@ -226,6 +226,24 @@ def test_abort_and_cancel_end_a_stalled_stream(llm: LLM, start) -> None:
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert closed == [True, True]  # both input iterators were closed
     assert_engine_clean(a.engine)
+
+
+def test_a_cancelled_input_iterator_aborts_its_request(llm: LLM, start) -> None:
+    """The producer behind the iterator is cancelled (its CancelledError comes out of the
+    iterator): the request ends with finish_reason "abort" instead of waiting forever."""
+    a = start()
+
+    async def main() -> list[RequestOutput]:
+        async def chunks() -> AsyncIterator[StreamingInput]:
+            yield StreamingInput(random_prompt(13, 20))
+            await asyncio.sleep(0.05)
+            raise asyncio.CancelledError
+
+        return await collect(a.generate(chunks(), greedy(5), "cancelled-input"))
+
+    outs = run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert_engine_clean(a.engine)
     assert not a.engine.input_streams.streams
 
 

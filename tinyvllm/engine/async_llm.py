@@ -155,6 +155,13 @@ class AsyncLLM:
         except Exception as exc:  # the caller's iterator failed: so does its request
             post(Feed(sink, error=f"the input stream raised {type(exc).__name__}: {exc}"))
             return
+        except asyncio.CancelledError:
+            # Cancelled inside the caller's iterator (its producer was cancelled), not by
+            # generate() (which cancels this task once the request is done): abort it.
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)
+            if cancelling is not None and not cancelling():
+                post(Feed(sink, abort=True))
+            raise
         finally:
             await _close(chunks)
         post(Feed(sink, end=True))

@@ -207,6 +207,11 @@ class EngineLoop:
         rid = command.sink.request_id
         if self._sinks.get(rid) is not command.sink:
             return  # finished or aborted meanwhile: the rest of its input has nowhere to go
+        if command.abort:
+            out = self._abort_output(rid)
+            self._drop(rid)  # before delivery: the consumer may look at the engine at once
+            self._deliver([(command.sink, out)])
+            return
         engine = self.engine
         assert isinstance(engine, Engine)
         try:

@@ -72,12 +72,14 @@ class Add:
 @dataclass
 class Feed:
     """The next input of the streaming request added through `sink`: a chunk, the end of the
-    input, or why the input failed (the request then fails with that message)."""
+    input, why the input failed (the request then fails with that message), or that it was
+    cancelled (the request is aborted)."""
 
     sink: Sink
     prompt: PromptType | None = None
     end: bool = False
     error: str | None = None
+    abort: bool = False
 
 
 @dataclass
