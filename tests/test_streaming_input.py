@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -67,6 +67,21 @@ async def failure_beside(
     except RequestError as exc:
         return exc, outputs
     return None, outputs
+
+
+def gather_on(
+    llm: LLM, job: Callable[[AsyncLLM, Any], Awaitable[list[RequestOutput]]], items: list[Any]
+) -> list[list[RequestOutput]]:
+    """`job(a, item)` for every item at once, on a fresh AsyncLLM over `llm`'s engine."""
+    a = AsyncLLM(llm.engine)
+
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*(job(a, item) for item in items))
+
+    try:
+        return run(main())
+    finally:
+        a.shutdown(timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -253,20 +268,11 @@ def test_preempted_streams_recompute_from_the_received_input(tiny_models) -> Non
     )
     prompts = [random_prompt(30 + i, 40) for i in range(4)]
     expected = [reference(small, p, 24) for p in prompts]
-    a = AsyncLLM(small.engine)
-    try:
 
-        async def main() -> list[list[RequestOutput]]:
-            return await asyncio.gather(
-                *(
-                    collect(a.generate(feed(split(p, [8, 8, 24]), delay=0.01), greedy(24)))
-                    for p in prompts
-                )
-            )
+    def job(a: AsyncLLM, p: list[int]) -> Awaitable[list[RequestOutput]]:
+        return collect(a.generate(feed(split(p, [8, 8, 24]), delay=0.01), greedy(24)))
 
-        results = run(main())
-    finally:
-        a.shutdown(timeout=TIMEOUT)
+    results = gather_on(small, job, prompts)
     assert small.engine.scheduler.num_preemptions > 0
     for outs, ref in zip(results, expected, strict=True):
         assert outs[-1].outputs[0].token_ids == ref
@@ -385,10 +391,10 @@ def test_a_hybrid_model_streams_too(tokenizer_dir, tmp_path) -> None:
     prompt = random_prompt(12, 70)
     expected = reference(hybrid, prompt, 8)
     hybrid.engine.reset_prefix_cache()
-    a = AsyncLLM(hybrid.engine)
-    try:
-        outs = run(collect(a.generate(feed(split(prompt, [9, 30, 31]), delay=0.02), greedy(8))))
-    finally:
-        a.shutdown(timeout=TIMEOUT)
+
+    def job(a: AsyncLLM, p: list[int]) -> Awaitable[list[RequestOutput]]:
+        return collect(a.generate(feed(split(p, [9, 30, 31]), delay=0.02), greedy(8)))
+
+    [outs] = gather_on(hybrid, job, [prompt])
     assert outs[-1].outputs[0].token_ids == expected
     assert_engine_clean(hybrid.engine)

@@ -5,14 +5,14 @@ each position's audio without holding up other requests; bad audio fails only it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from test_async_llm import TIMEOUT, assert_engine_clean, run
-from test_streaming_input import collect, failure_beside
+from test_streaming_input import collect, failure_beside, gather_on
 from voxtral_realtime_fixtures import PROMPT, build_tiny_voxtral, random_audio
 
 from tinyvllm import LLM, RequestOutput, SamplingParams, StreamingInput
@@ -110,18 +110,11 @@ def test_preempted_audio_streams_resume_from_the_received_audio(
     small = LLM(str(path), dtype="float32", max_model_len=64, num_gpu_blocks_override=5)
     clips = [random_audio(2.6, seed=10 + i) for i in range(3)]
     expected = [offline(small, pcm_roundtrip(c)) for c in clips]
-    a = AsyncLLM(small.engine)
-    try:
 
-        async def main() -> list[list[RequestOutput]]:
-            jobs = [
-                collect(a.generate(audio_chunks(c, 3000, delay=0.003), greedy())) for c in clips
-            ]
-            return await asyncio.gather(*jobs)
+    def job(a: AsyncLLM, clip: np.ndarray) -> Awaitable[list[RequestOutput]]:
+        return collect(a.generate(audio_chunks(clip, 3000, delay=0.003), greedy()))
 
-        results = run(main())
-    finally:
-        a.shutdown(timeout=TIMEOUT)
+    results = gather_on(small, job, clips)
     assert small.engine.scheduler.num_preemptions > 0
     for outs, want in zip(results, expected, strict=True):
         assert outs[-1].outputs[0].token_ids == want
