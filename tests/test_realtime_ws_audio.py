@@ -34,22 +34,31 @@ MODEL = "tiny-voxtral"
 
 
 @pytest.fixture(scope="module")
-def vox_llm(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> LLM:
-    path = build_tiny_voxtral(tmp_path_factory.mktemp("voxtral_rt_ws"), tokenizer_dir)
-    return LLM(str(path), dtype="float32", max_model_len=256)
+def vox_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return build_tiny_voxtral(tmp_path_factory.mktemp("voxtral_rt_ws"), tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def ws_url(vox_llm: LLM) -> Iterator[str]:
-    engine = AsyncLLM(vox_llm.engine)
+def vox_llm(vox_path: Path) -> LLM:
+    """The offline reference, on an engine of its own (the server's engine thread owns its
+    engine: nothing else may step it)."""
+    return LLM(str(vox_path), dtype="float32", max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def served(vox_path: Path) -> Iterator[AsyncLLM]:
+    engine = AsyncLLM(str(vox_path), dtype="float32", max_model_len=256)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ws_url(served: AsyncLLM) -> Iterator[str]:
     state = ServerState(
-        engine=engine, model_names=[MODEL], model_path=vox_llm.engine.config.model.model_path
+        engine=served, model_names=[MODEL], model_path=served.engine.config.model.model_path
     )
-    try:
-        with ServerThread(build_app(state)) as server:
-            yield server.url.replace("http://", "ws://") + "/v1/realtime"
-    finally:
-        engine.shutdown()
+    with ServerThread(build_app(state)) as server:
+        yield server.url.replace("http://", "ws://") + "/v1/realtime"
 
 
 def pcm16(clip: np.ndarray) -> bytes:
@@ -96,7 +105,9 @@ async def session(url: str, data: bytes, **kwargs: Any) -> tuple[list[str], dict
         return await transcribe(ws, data, **kwargs)
 
 
-def test_streamed_deltas_give_the_offline_transcript(vox_llm: LLM, ws_url: str) -> None:
+def test_streamed_deltas_give_the_offline_transcript(
+    vox_llm: LLM, served: AsyncLLM, ws_url: str
+) -> None:
     clip = random_audio(1.45, seed=1)
     text, num_tokens = offline_text(vox_llm, clip)
     assert text
@@ -105,10 +116,12 @@ def test_streamed_deltas_give_the_offline_transcript(vox_llm: LLM, ws_url: str) 
     prompt = len(streaming_prompt_ids(vox_llm.engine))
     usage = {"prompt_tokens": prompt, "completion_tokens": num_tokens}
     assert done["usage"] == {**usage, "total_tokens": prompt + num_tokens}
-    wait_engine_clean(vox_llm.engine)
+    wait_engine_clean(served.engine)
 
 
-def test_sessions_side_by_side_and_a_stalled_one(vox_llm: LLM, ws_url: str) -> None:
+def test_sessions_side_by_side_and_a_stalled_one(
+    vox_llm: LLM, served: AsyncLLM, ws_url: str
+) -> None:
     clips = [random_audio(1.0, seed=s) for s in (2, 3, 4)]
     expected = [offline_text(vox_llm, c)[0] for c in clips]
 
@@ -122,10 +135,12 @@ def test_sessions_side_by_side_and_a_stalled_one(vox_llm: LLM, ws_url: str) -> N
         return [(await stalled)[1]["text"], *(done["text"] for _, done in others)]
 
     assert run(main()) == expected
-    wait_engine_clean(vox_llm.engine)
+    wait_engine_clean(served.engine)
 
 
-def test_late_audio_empty_audio_and_the_next_utterance(vox_llm: LLM, ws_url: str) -> None:
+def test_late_audio_empty_audio_and_the_next_utterance(
+    vox_llm: LLM, served: AsyncLLM, ws_url: str
+) -> None:
     first, second = random_audio(0.8, seed=5), random_audio(0.7, seed=6)
     expected = [offline_text(vox_llm, c)[0] for c in (first, second)]
 
@@ -152,10 +167,12 @@ def test_late_audio_empty_audio_and_the_next_utterance(vox_llm: LLM, ws_url: str
     assert empty["type"] == "error" and empty["code"] == "processing_error"
     assert "nothing to transcribe" in empty["error"]
     assert done["text"] == expected[1]
-    wait_engine_clean(vox_llm.engine)
+    wait_engine_clean(served.engine)
 
 
-def test_a_dropped_connection_aborts_its_transcription(vox_llm: LLM, ws_url: str) -> None:
+def test_a_dropped_connection_aborts_its_transcription(
+    vox_llm: LLM, served: AsyncLLM, ws_url: str
+) -> None:
     clip = random_audio(1.0, seed=7)
 
     async def main() -> None:
@@ -168,4 +185,4 @@ def test_a_dropped_connection_aborts_its_transcription(vox_llm: LLM, ws_url: str
         # Closed with the input still open: the server aborts the request.
 
     run(main())
-    wait_engine_clean(vox_llm.engine)
+    wait_engine_clean(served.engine)

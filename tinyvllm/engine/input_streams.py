@@ -3,10 +3,10 @@
 A streaming request is an ordinary Request whose prompt (text models) or media (realtime
 audio models) keeps growing. What the scheduler needs is two facts on the Request:
 `awaiting_prompt` (more prompt tokens may come, so the last received one is held back: the
-token sampled after it would be wrong once the prompt grows) and `input_limit` (positions whose
-input has arrived: a realtime model's AudioStream, which the request's audio features share
-with the model runner). The scheduler computes only that far, so a stalled stream simply has
-nothing to run while the others go on.
+token sampled after it would be wrong once the prompt grows) and `input_gate` (what says how
+many positions have their input: a realtime model's AudioStream, which the request's audio
+features share with the model runner). The scheduler computes only that far, so a stalled
+stream simply has nothing to run while the others go on.
 """
 
 from __future__ import annotations
@@ -90,16 +90,16 @@ class InputStreams:
         text, token_ids = self._tokens(prompt)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         request = stream.request
-        if data:
-            self._append_media(stream, data)
-        if not token_ids:
-            return
-        if request.input_gate is not None:
+        if token_ids and request.input_gate is not None:
             raise ValueError(
                 f"request {request_id!r} is a realtime audio request: its later chunks carry "
                 "audio only ({'multi_modal_data': {'audio': samples}}); its prompt tokens come "
                 "in the first chunk"
             )
+        if data:
+            self._append_media(stream, data)
+        if not token_ids:
+            return
         if request.output_token_ids:
             raise ValueError(
                 f"request {request_id!r} is generating already: prompt tokens can no longer be "
@@ -223,7 +223,6 @@ class InputStreams:
 
         if isinstance(samples, np.ndarray) and samples.size == 0:
             return
-
         # A copy: the caller may reuse its buffer (a recorder's ring) for the next chunk.
         audio.append(np.array(audio_samples(item, rate), dtype=np.float32))
 
