@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ pytest.importorskip("websockets")
 
 from server_helpers import ServerThread, wait_engine_clean
 from test_realtime_ws import TIMEOUT, pcm_event, run
+from test_server_cli import ROOT, _free_port, _wait_healthy
 from voxtral_realtime_fixtures import build_tiny_voxtral, random_audio
 from websockets.asyncio.client import connect
 
@@ -186,3 +191,24 @@ def test_a_dropped_connection_aborts_its_transcription(
 
     run(main())
     wait_engine_clean(served.engine)
+
+
+@pytest.mark.slow  # ~10 s: starts `tinyvllm serve` in a process of its own
+def test_the_serve_command_serves_realtime(vox_llm: LLM, vox_path: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "tinyvllm.cli", "serve", str(vox_path), "--port", str(port)]
+    cmd += ["--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"]
+    cmd += ["--device", "cpu", "--uvicorn-log-level", "warning"]
+    clip = random_audio(0.9, seed=8)
+    expected = offline_text(vox_llm, clip)[0]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        _, done = run(session(f"ws://127.0.0.1:{port}/v1/realtime", pcm16(clip)))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert done["text"] == expected
+    assert proc.returncode == 0, err
+    assert f"realtime transcription at ws://127.0.0.1:{port}/v1/realtime" in err

@@ -224,6 +224,9 @@ def run_server(
             file=sys.stderr,
             flush=True,
         )
+        if getattr(getattr(state.engine.engine, "mm_processor", None), "realtime", False):
+            where = f"ws://{args.host}:{args.port}/v1/realtime"
+            print(f"realtime transcription at {where}", file=sys.stderr, flush=True)
         uvicorn.run(
             build_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level
         )
