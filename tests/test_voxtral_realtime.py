@@ -155,3 +155,22 @@ def test_preemption_reencodes_the_received_audio(vox_dir: Path, hf: Any) -> None
     assert llm.get_stats().total_preemptions > 0
     for out, clip in zip(outs, clips, strict=True):
         check_output(hf, out, clip)
+
+
+def test_encoder_attention_takes_4d_operands(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU torch runs SDPA's fused kernel on 4-D operands only (3-D: the math fallback, ~4x
+    slower for the encoder's chunks)."""
+    import torch.nn.functional as F
+
+    ranks: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ranks.append(q.dim())
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    tower = llm.engine.runner.model.audio_tower
+    with torch.no_grad():
+        tower.encode(hf_features(random_audio(0.2, seed=9))[0, :, :16], tower.new_state())
+    assert ranks and set(ranks) == {4}

@@ -174,7 +174,8 @@ class VoxtralRealtimeAudioTower(nn.Module):
             else:
                 state.keys.append(k[:, -keep:])
                 state.values.append(v[:, -keep:])
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # 4-D operands: CPU torch runs its fused kernel (3-D ones take the math fallback).
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
             h = h + attn.o_proj(out.transpose(0, 1).reshape(n, -1))
             h = h + layer.mlp(layer.final_layer_norm(h))
         state.num_frames += n
