@@ -132,6 +132,13 @@ def test_engine_audio_inputs(vox_llm: LLM, tiny_models: Any) -> None:
     pcm16 = (clip * 32767).astype(np.int16)
     for form in (clip, [clip], wav_bytes(clip, 16000), (pcm16, 16000)):
         assert generate(vox_llm, form)[0].outputs[0].token_ids == tokens
+    # A text prompt is tokenized as usual (the ids, not the text, meet the audio).
+    ids = vox_llm.get_tokenizer().encode("hello there")
+    text = {"prompt": "hello there", "multi_modal_data": {"audio": clip}}
+    greedy = SamplingParams(max_tokens=50, temperature=0.0)
+    by_text = vox_llm.generate(text, greedy, use_tqdm=False)[0]
+    assert by_text.prompt_token_ids == ids
+    assert by_text.outputs[0].token_ids == generate(vox_llm, clip, ids)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="mono"):
         generate(vox_llm, np.stack([clip, clip]))
     with pytest.raises(ValueError, match="empty"):
