@@ -69,6 +69,23 @@ def build_checkpoint(path: Path, quick: bool) -> Path:
     return path
 
 
+def checkpoint_sizes(path: Path) -> tuple[int, int]:
+    """(decoder, encoder + projector) parameter counts from the checkpoint's tensors."""
+    from safetensors import safe_open
+
+    decoder = towers = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                numel = f.get_slice(name).get_shape()
+                count = int(np.prod(numel))
+                if "language_model" in name:
+                    decoder += count
+                else:
+                    towers += count
+    return decoder, towers
+
+
 def synthetic_speechlike(seconds: float, seed: int) -> np.ndarray:
     """Tone bursts and pauses with noise (float32, 16 kHz)."""
     rng = np.random.default_rng(seed)
@@ -174,6 +191,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
+        "--quantization", default=None, help="decoder weights, e.g. int8 (default: bf16)"
+    )
+    parser.add_argument(
         "--paced", action="store_true", help="also feed each stream's audio in real time"
     )
     args = parser.parse_args()
@@ -185,7 +205,7 @@ def main() -> None:
     from tinyvllm import LLM
 
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=4096,
-              enable_prefix_caching=False, seed=0)  # fmt: skip
+              enable_prefix_caching=False, seed=0, quantization=args.quantization)  # fmt: skip
     engine = llm.engine
     run(engine, [synthetic_speechlike(1.0, seed=99)], "warmup")
     info = machine_info()
@@ -198,9 +218,10 @@ def main() -> None:
         clips = [synthetic_speechlike(args.seconds, seed=10 + s) for s in range(n)]
         paced.append(run_paced(engine, clips, f"p{n}"))
     info["loadavg_end"] = round(os.getloadavg()[0], 2)
-    params = sum(p.numel() for p in engine.runner.model.model.parameters())
-    tower = sum(p.numel() for p in engine.runner.model.audio_tower.parameters())
-    print(f"model: decoder {params / 1e9:.2f}B, encoder+projector {tower / 1e6:.0f}M, bf16 "
+    params, tower = checkpoint_sizes(path)
+    weights = args.quantization or "bf16"
+    print(f"model: decoder {params / 1e9:.2f}B ({weights}), encoder+projector {tower / 1e6:.0f}M "
+          "bf16 "
           f"(checkpoint build/load {build_s:.1f}s)")  # fmt: skip
     print(f"machine: {info['cpu']}, {info['cores_visible']} cores, torch {info['torch']}, "
           f"load {info['loadavg_start']} -> {info['loadavg_end']}")  # fmt: skip
