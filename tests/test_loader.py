@@ -20,7 +20,7 @@ SUPPORTED = (
     "BertModel, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, "
     "GraniteMoeHybridForCausalLM, Lfm2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
     "NemotronHForCausalLM, Qwen2ForCausalLM, "
-    "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM"
+    "Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, VoxtralRealtimeForConditionalGeneration"
 )
 
 

@@ -78,6 +78,22 @@ def test_stream_readiness_and_end() -> None:
         AudioStream(CFG).append(np.zeros((10, 2), dtype=np.float32))
 
 
+def test_chunk_features_hash_the_samples_their_positions_read() -> None:
+    """A chunk feature's identifier (the prefix cache's extra key) changes with a sample its
+    positions read, and only with those."""
+    clip = random_audio(0.5, seed=4)
+    one, two = AudioStream(CFG, clip), AudioStream(CFG, clip.copy())
+    assert one.chunk_feature(1, 3).identifier == two.chunk_feature(1, 3).identifier
+    feature = one.chunk_feature(1, 3)
+    assert (feature.offset, feature.length, feature.data) == (1, 2, one)
+    changed = clip.copy()
+    changed[2 * 1280] += 0.1  # read by position 2
+    assert AudioStream(CFG, changed).chunk_feature(1, 3).identifier != feature.identifier
+    changed = clip.copy()
+    changed[5 * 1280] += 0.1  # read by position 5 only
+    assert AudioStream(CFG, changed).chunk_feature(1, 3).identifier == feature.identifier
+
+
 def test_wav_reading_and_resampling() -> None:
     clip = random_audio(0.5, seed=1)
     samples, rate = load_wav(wav_bytes(clip, 16000))
@@ -132,6 +148,13 @@ def test_engine_audio_inputs(vox_llm: LLM, tiny_models: Any) -> None:
     pcm16 = (clip * 32767).astype(np.int16)
     for form in (clip, [clip], wav_bytes(clip, 16000), (pcm16, 16000)):
         assert generate(vox_llm, form)[0].outputs[0].token_ids == tokens
+    # A text prompt is tokenized as usual (the ids, not the text, meet the audio).
+    ids = vox_llm.get_tokenizer().encode("hello there")
+    text = {"prompt": "hello there", "multi_modal_data": {"audio": clip}}
+    greedy = SamplingParams(max_tokens=50, temperature=0.0)
+    by_text = vox_llm.generate(text, greedy, use_tqdm=False)[0]
+    assert by_text.prompt_token_ids == ids
+    assert by_text.outputs[0].token_ids == generate(vox_llm, clip, ids)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="mono"):
         generate(vox_llm, np.stack([clip, clip]))
     with pytest.raises(ValueError, match="empty"):

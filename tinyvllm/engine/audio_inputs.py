@@ -17,7 +17,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tinyvllm.multimodal.audio import audio_samples
 from tinyvllm.multimodal.audio_stream import AudioFrameConfig, AudioStream, audio_stream_of
 from tinyvllm.request import MultiModalFeature
 
@@ -96,6 +95,9 @@ class RealtimeAudioProcessor:
         return prompt_ids, [stream.chunk_feature(0, ready)]
 
     def offline_stream(self, item: Any) -> AudioStream:
+        # Imported here: the engine imports this module and must stay torch-free to import.
+        from tinyvllm.multimodal.audio import audio_samples
+
         cfg = self.frame_config
         samples = audio_samples(item, cfg.sampling_rate)
         if cfg.mel_frames_ready(samples.size, True) < cfg.mel_frames_per_position:
