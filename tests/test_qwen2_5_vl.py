@@ -319,7 +319,7 @@ def vlm(vlm_dir: Path) -> Iterator[LLM]:
         ({"video": np.zeros((0, 56, 56, 3), np.uint8)}, "zero frames"),
         ({"video": np.zeros((4, 56, 56), np.uint8)}, r"\(num_frames, height, width, 3\)"),
         ({"image": [IMAGE, IMAGE]}, r"1 image placeholder\(s\).*gives 2 image"),
-        ({"audio": IMAGE}, "unknown key"),
+        ({"audio": IMAGE}, "cannot take audio"),
     ],
 )
 def test_bad_media_names_the_problem(vlm: LLM, data: dict, match: str) -> None:
