@@ -127,6 +127,19 @@ def test_streaming_encoder_equals_whole_audio(llm: LLM, hf: Any) -> None:
                 for p in range(0, positions, size)
             ])  # fmt: skip
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # Streams with different histories (none, 1 and 3 positions: the window of 12 frames
+        # full, part full, empty) encoded in one batch, one position each, as concurrent
+        # streams are: each gets its own whole-audio frames.
+        states = [tower.new_state() for _ in range(3)]
+        for state, done in zip(states, (0, 1, 3), strict=True):
+            if done:
+                tower.encode(feats[:, : 8 * done], state)
+        for step in range(3):
+            chunks = [feats[:, 8 * (d + step) : 8 * (d + step + 1)] for d in (0, 1, 3)]
+            got = torch.stack(tower.encode_many(chunks, states))
+            torch.testing.assert_close(
+                got[:, 0], want[[step, 1 + step, 3 + step]], atol=1e-4, rtol=1e-4
+            )
 
 
 def test_prefix_cache_keys_on_audio_content(vox_dir: Path) -> None:
