@@ -72,6 +72,10 @@ def test_offline_matches_hf_generate(llm: LLM, hf: Any) -> None:
         assert out.outputs[0].finish_reason == "length"
         frames = clip.size // 160
         assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == -(-frames // 8)
+    # Every step carries inputs_embeds: no fast path that embeds token ids itself (vLLM too
+    # refuses full CUDA graphs for realtime models).
+    runner = llm.engine.runner
+    assert runner.decode_program is None and runner.cuda_graphs is None
     # A user's max_tokens still caps it, as max_new_tokens does for HF.
     short = llm.generate(audio_prompt(clips[0]), greedy(3), use_tqdm=False)[0]
     assert list(short.outputs[0].token_ids) == list(outs[0].outputs[0].token_ids[:3])
