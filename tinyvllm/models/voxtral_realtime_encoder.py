@@ -127,58 +127,81 @@ class VoxtralRealtimeAudioTower(nn.Module):
     def encode(self, mel: torch.Tensor, state: EncoderStreamState) -> torch.Tensor:
         """mel [mel_bins, k * mel_frames_per_position] (the frames after the state's) ->
         [k, text_hidden] audio embeddings; advances `state`."""
-        if mel.shape[1] % self.mel_frames_per_position:
+        return self.encode_many([mel], [state])[0]
+
+    def encode_many(
+        self, mels: list[torch.Tensor], states: list[EncoderStreamState]
+    ) -> list[torch.Tensor]:
+        """`encode` for several streams in one batch (one call per layer for all of them:
+        concurrent streams each bring one position per step); every mel chunk has the same
+        number of frames, the streams' histories may differ."""
+        frames = mels[0].shape[1]
+        if frames % self.mel_frames_per_position or any(m.shape[1] != frames for m in mels):
             raise ValueError(
-                f"an encoder chunk must be whole decoder positions of "
-                f"{self.mel_frames_per_position} mel frames, got {mel.shape[1]}"
+                f"encoder chunks must be whole decoder positions of "
+                f"{self.mel_frames_per_position} mel frames, all of one size; got "
+                f"{[m.shape[1] for m in mels]}"
             )
-        x = mel.to(state.conv1_tail.dtype)
+        dtype = states[0].conv1_tail.dtype
+        x = torch.stack([m.to(dtype) for m in mels])  # [R, mel_bins, frames]
         emb = self.embedder
-        padded = torch.cat([state.conv1_tail, x], dim=1)
-        state.conv1_tail = padded[:, -2:]
-        h = F.gelu(emb.conv1(padded[None]))[0]
-        padded = torch.cat([state.conv2_tail, h], dim=1)
-        state.conv2_tail = padded[:, -1:]
-        h = F.gelu(emb.conv2(padded[None]))[0].T  # [frames, hidden]
-        h = self._layers(h, state)
-        return self.project(self.norm(h))
+        padded = torch.cat([torch.stack([s.conv1_tail for s in states]), x], dim=2)
+        h = F.gelu(emb.conv1(padded))
+        for state, row in zip(states, padded, strict=True):
+            state.conv1_tail = row[:, -2:]
+        padded = torch.cat([torch.stack([s.conv2_tail for s in states]), h], dim=2)
+        h = F.gelu(emb.conv2(padded)).transpose(1, 2)  # [R, frames / 2, hidden]
+        for state, row in zip(states, padded, strict=True):
+            state.conv2_tail = row[:, -1:]
+        h = self._layers(h, states)
+        return list(self.project(self.norm(h)).unbind(0))
 
     def project(self, frames: torch.Tensor) -> torch.Tensor:
-        """Encoder frames [n * downsample, hidden] -> [n, text_hidden]."""
-        grouped = frames.reshape(-1, self.hidden * self.downsample)
+        """Encoder frames [..., n * downsample, hidden] -> [..., n, text_hidden]."""
+        grouped = frames.reshape(*frames.shape[:-2], -1, self.hidden * self.downsample)
         return self.linear_2(F.gelu(self.linear_1(grouped)))
 
-    def _layers(self, h: torch.Tensor, state: EncoderStreamState) -> torch.Tensor:
-        n, start = h.shape[0], state.num_frames
-        positions = torch.arange(start, start + n, device=h.device)
-        freqs = positions[:, None].float() * self.inv_freq
-        angles = torch.cat([freqs, freqs], dim=-1)
+    def _layers(self, h: torch.Tensor, states: list[EncoderStreamState]) -> torch.Tensor:
+        rows, n = h.shape[:2]
+        device = h.device
+        starts = torch.tensor([s.num_frames for s in states], device=device)
+        positions = starts[:, None] + torch.arange(n, device=device)  # [R, n]
+        freqs = positions[..., None].float() * self.inv_freq
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None]  # [R, 1, n, head_dim]
         cos, sin = angles.cos().to(h.dtype), angles.sin().to(h.dtype)
-        past = state.keys[0].shape[1] if state.keys else 0
-        key_pos = torch.arange(start - past, start + n, device=h.device)
-        mask = key_pos[None, :] <= positions[:, None]
+        pasts = [s.keys[0].shape[1] if s.keys else 0 for s in states]
+        most = max(pasts)
+        # Key slot j of row r holds position start_r - most + j; the slots before the row's
+        # own past are padding.
+        slot = torch.arange(most + n, device=device)
+        key_pos = starts[:, None] - most + slot
+        short = torch.tensor([most - p for p in pasts], device=device)
+        mask = (slot[None, :] >= short[:, None])[:, None, :]
+        mask = mask & (key_pos[:, None, :] <= positions[:, :, None])
         if self.window is not None:
-            mask &= key_pos[None, :] > positions[:, None] - self.window
-        keep = n + past if self.window is None else self.window - 1
-        fresh = not state.keys
+            mask &= key_pos[:, None, :] > positions[:, :, None] - self.window
+        keep = None if self.window is None else self.window - 1
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: all rows' keys, values
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.self_attn_layer_norm(h)
-            q = _rope(attn.q_proj(x).view(n, attn.heads, -1).transpose(0, 1), cos, sin)
-            k = _rope(attn.k_proj(x).view(n, attn.heads, -1).transpose(0, 1), cos, sin)
-            v = attn.v_proj(x).view(n, attn.heads, -1).transpose(0, 1)
-            if not fresh:
-                k = torch.cat([state.keys[i], k], dim=1)
-                v = torch.cat([state.values[i], v], dim=1)
-                state.keys[i], state.values[i] = k[:, -keep:], v[:, -keep:]
-            else:
-                state.keys.append(k[:, -keep:])
-                state.values.append(v[:, -keep:])
+            q = _rope(attn.q_proj(x).view(rows, n, attn.heads, -1).transpose(1, 2), cos, sin)
+            k = _rope(attn.k_proj(x).view(rows, n, attn.heads, -1).transpose(1, 2), cos, sin)
+            v = attn.v_proj(x).view(rows, n, attn.heads, -1).transpose(1, 2)
+            if most:
+                k = torch.cat([_padded_past(states, pasts, i, most, "keys", k), k], dim=2)
+                v = torch.cat([_padded_past(states, pasts, i, most, "values", v), v], dim=2)
+            cache.append((k, v))
             # 4-D operands: CPU torch runs its fused kernel (3-D ones take the math fallback).
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
-            h = h + attn.o_proj(out.transpose(0, 1).reshape(n, -1))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(rows, n, -1))
             h = h + layer.mlp(layer.final_layer_norm(h))
-        state.num_frames += n
+        for r, state in enumerate(states):
+            # Each row's own frames (no padding), the last window - 1 of them.
+            lo = most - pasts[r]
+            state.keys = [_last(k[r, :, lo:], keep) for k, _ in cache]
+            state.values = [_last(v[r, :, lo:], keep) for _, v in cache]
+            state.num_frames += n
         return h
 
     def load_weights(self, weights: list[tuple[str, Any]]) -> None:
@@ -200,6 +223,30 @@ class VoxtralRealtimeAudioTower(nn.Module):
                     f"{tuple(own[name].shape)}"
                 )
         self.load_state_dict(tensors)
+
+
+def _padded_past(
+    states: list[EncoderStreamState],
+    pasts: list[int],
+    layer: int,
+    most: int,
+    kind: str,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """The streams' cached keys or values of one layer, left-padded to `most` frames (a fresh
+    stream: all padding): [R, heads, most, head_dim]."""
+    rows = []
+    for state, past in zip(states, pasts, strict=True):
+        if past:
+            rows.append(F.pad(getattr(state, kind)[layer], (0, 0, most - past, 0)))
+        else:
+            rows.append(like.new_zeros(like.shape[1], most, like.shape[3]))
+    return torch.stack(rows)
+
+
+def _last(frames: torch.Tensor, keep: int | None) -> torch.Tensor:
+    """The last `keep` frames of [heads, n, head_dim] (None: all)."""
+    return frames if keep is None else frames[:, max(0, frames.shape[1] - keep) :]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

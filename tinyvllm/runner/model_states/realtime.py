@@ -7,10 +7,11 @@ the request runs), the causal encoder's streaming state (convolution tails, atte
 values in the window) and the audio embeddings computed but not yet consumed. Before a forward
 the state encodes what the scheduled positions need (once per new audio; up to
 `ENCODE_AHEAD` positions more when their audio is in, so an offline request encodes in a few
-larger chunks rather than one position per step), gathers each row's slice and passes
-`inputs_embeds` = token embeddings + audio embeddings, on decode steps too. The runner
-therefore never takes the CUDA-graph or native-decode fast paths for this model
-(`flat_positions` False: they embed token ids themselves).
+larger chunks rather than one position per step; rows encoding chunks of one size, such
+as concurrent streams each bringing one position, share one batched encoder call), gathers
+each row's slice and passes `inputs_embeds` = token embeddings + audio embeddings, on decode
+steps too. The runner therefore never takes the CUDA-graph or native-decode fast paths for
+this model (`flat_positions` False: they embed token ids themselves).
 
 A preempted or finished row drops its cache; a resumed request re-encodes from the start of
 its received audio (the encoder is causal: later frames need the earlier ones' state), which
@@ -89,17 +90,17 @@ class RealtimeModelState(ModelState):
     def pre_forward(self, batch: InputBatch, inputs: ModelInputs) -> None:
         qsl = batch.attn_metadata.query_start_loc_cpu
         positions = batch.positions.cpu()
-        pieces = []
+        spans: list[tuple[int, int, int]] = []  # (row, first position, end)
         for i, row in enumerate(batch.rows.tolist()):
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             if hi > lo:
                 first = int(positions[lo])
-                pieces.append(self._audio_embeds(row, first, first + hi - lo))
-        audio = torch.cat(pieces) if pieces else None
+                spans.append((row, first, first + hi - lo))
+        self._encode({row: end for row, _, end in spans})
         embeds = self.model.embed_input_ids(inputs.input_ids)  # type: ignore[operator]
-        if audio is not None:
-            num = audio.shape[0]
-            embeds[:num] += audio
+        if spans:
+            audio = torch.cat([self._take(row, first, end) for row, first, end in spans])
+            embeds[: audio.shape[0]] += audio
         inputs.inputs_embeds = embeds
 
     # ---- encoder cache ---------------------------------------------------------------------
@@ -107,11 +108,9 @@ class RealtimeModelState(ModelState):
     def _dtype(self) -> torch.dtype:
         return self.model.model.norm.weight.dtype  # type: ignore[union-attr]
 
-    def _audio_embeds(self, row: int, first: int, end: int) -> torch.Tensor:
+    def _take(self, row: int, first: int, end: int) -> torch.Tensor:
         """Audio embeddings [end - first, hidden] of decoder positions [first, end)."""
         state = self.rows[row]
-        if state.encoded < end:
-            self._encode(state, end)
         if first < state.base:
             raise RuntimeError(
                 f"position {first} was scheduled again after its audio embedding was consumed"
@@ -121,24 +120,47 @@ class RealtimeModelState(ModelState):
         state.embeds, state.base = state.embeds[first - state.base :], first
         return out
 
-    def _encode(self, state: _Row, need: int) -> None:
-        stream = state.stream
-        ready = stream.positions_ready()
-        if need > ready:
-            raise RuntimeError(
-                f"decoder position {need - 1} was scheduled but only {ready} positions have "
-                f"their audio ({stream.num_samples} samples received, ended={stream.ended}); "
-                "the scheduler must gate on AudioStream.positions_ready()"
-            )
-        upto = min(ready, max(need, state.encoded + ENCODE_AHEAD))
-        if self._log_mel is None or self._log_mel.config != stream.config:
-            self._log_mel = LogMel(stream.config)
-        per = stream.config.mel_frames_per_position
-        samples = stream.samples()
-        new = []
-        for start in range(state.encoded, upto, ENCODE_AHEAD):
-            stop = min(upto, start + ENCODE_AHEAD)
-            mel = self._log_mel.frames(samples, start * per, stop * per, stream.ended)
-            new.append(self.tower.encode(mel.to(self.device), state.encoder))
-            self.num_encoded_positions += stop - start
-        state.embeds = torch.cat([state.embeds, *new]).to(self._dtype)
+    def _encode(self, needs: dict[int, int]) -> None:
+        """Encode every row's audio up to what its scheduled positions need (and up to
+        ENCODE_AHEAD positions more when the audio is in); rows encoding chunks of one size
+        share each encoder call."""
+        targets: dict[int, int] = {}
+        for row, need in needs.items():
+            state = self.rows[row]
+            if state.encoded >= need:
+                continue
+            stream = state.stream
+            ready = stream.positions_ready()
+            if need > ready:
+                raise RuntimeError(
+                    f"decoder position {need - 1} was scheduled but only {ready} positions "
+                    f"have their audio ({stream.num_samples} samples received, ended="
+                    f"{stream.ended}); the scheduler must gate on AudioStream.positions_ready()"
+                )
+            targets[row] = min(ready, max(need, state.encoded + ENCODE_AHEAD))
+        while targets:
+            groups: dict[int, list[int]] = {}
+            for row, upto in targets.items():
+                size = min(ENCODE_AHEAD, upto - self.rows[row].encoded)
+                groups.setdefault(size, []).append(row)
+            for size, rows in groups.items():
+                self._encode_chunk(rows, size)
+            targets = {r: u for r, u in targets.items() if self.rows[r].encoded < u}
+
+    def _encode_chunk(self, rows: list[int], size: int) -> None:
+        """The next `size` positions of each of `rows`, in one encoder call."""
+        mels = []
+        for row in rows:
+            state = self.rows[row]
+            stream = state.stream
+            if self._log_mel is None or self._log_mel.config != stream.config:
+                self._log_mel = LogMel(stream.config)
+            per = stream.config.mel_frames_per_position
+            first = state.encoded * per
+            mel = self._log_mel.frames(stream.samples(), first, first + size * per, stream.ended)
+            mels.append(mel.to(self.device))
+        encoded = self.tower.encode_many(mels, [self.rows[r].encoder for r in rows])
+        for row, new in zip(rows, encoded, strict=True):
+            state = self.rows[row]
+            state.embeds = torch.cat([state.embeds, new.to(self._dtype)])
+        self.num_encoded_positions += size * len(rows)
