@@ -91,7 +91,7 @@ def test_matches_hf_fp32(
 @pytest.mark.parametrize("chunk_rows", [16, 40])
 def test_block_passes_over_runs_of_segments_match_hf(chunk_rows: int) -> None:
     # On CPU each block runs over runs of whole windows / frames of about chunk_rows
-    # patches (the 3B tower: one 448x448 frame at a time); small runs here split every item.
+    # patches (the 3B tower: two 448x448 frames at a time); small runs here split every item.
     config = _config(depth=3, fullatt=(1,))
     hf = _hf_model(config)
     ours = _ours(config, hf)
