@@ -6,6 +6,11 @@ The clip is synthetic: a static random background with a bright square moving ac
 tokens at rate 0). Each configuration runs once after a warm-up request (a different clip, so
 nothing is reused: prefix caching is off). Aim: TTFT at rate 0.75 <= 0.35x TTFT at rate 0.
 
+Per run it also times the stages of the first token: the vision tower, the EVS scoring, and
+the language model's prefill forwards, and prints the FLOPs of the tower and of the prefill
+at each rate with the bound they set on TTFT(rate) / TTFT(0): EVS prunes after the tower, so
+the tower's work does not fall with the rate.
+
     python benchmarks/evs.py --device cuda            # the full 3B shape, bf16
     python benchmarks/evs.py --quick                  # narrow 2-layer model, 8 x 224 x 224
 """
@@ -16,7 +21,8 @@ import argparse
 import gc
 import json
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +66,9 @@ class Result:
     ttft_s: float
     e2e_s: float
     output: list[int]
+    # Stage times of the timed request (seconds): vision tower, EVS scoring, and the
+    # language model's forwards over prompt tokens (its prefill).
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def build_checkpoint(path: Path, quick: bool) -> Path:
@@ -109,6 +118,39 @@ def prompt_ids(video_tokens: int = 1) -> list[int]:
     return [*head, IDS["vision_start"], *pads, IDS["vision_end"], *tail]
 
 
+def _timed(stages: dict[str, float], name: str, fn: Callable[..., Any], device: str) -> Any:
+    """`fn` that adds its run time to stages[name] (synchronising a GPU around it)."""
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        _sync(device)
+        start = time.perf_counter()
+        out = fn(*a, **kw)
+        _sync(device)
+        stages[name] = stages.get(name, 0.0) + time.perf_counter() - start
+        return out
+
+    return wrapper
+
+
+def _instrument(llm: Any, device: str) -> dict[str, float]:
+    """Stage timers on the engine's model and model state (in-process engine only)."""
+    stages: dict[str, float] = {}
+    runner = llm.engine.runner
+    model, state = runner.model, runner.model_state
+    model.embed_media = _timed(stages, "vision", model.embed_media, device)
+    if hasattr(state, "pruning_rate"):
+        state.select_tokens = _timed(stages, "evs", state.select_tokens, device)
+    forward = model.forward
+
+    def lm_forward(input_ids: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        # Forwards over more than one token are prefill steps (one request, no decode mixed in).
+        name = "lm_prefill" if input_ids.shape[0] > 1 else "lm_decode"
+        return _timed(stages, name, forward, device)(input_ids, *a, **kw)
+
+    model.forward = lm_forward
+    return stages
+
+
 def run_tinyvllm(path: Path, clip: np.ndarray, rate: float, args: argparse.Namespace) -> Result:
     from tinyvllm import LLM, SamplingParams
 
@@ -122,15 +164,16 @@ def run_tinyvllm(path: Path, clip: np.ndarray, rate: float, args: argparse.Names
         video_pruning_rate=rate,
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    warm = synthetic_clip(clip.shape[0], clip.shape[1], seed=99)
+    warm = synthetic_clip(args.warmup_frames or clip.shape[0], clip.shape[1], seed=99)
     llm.generate({"prompt_token_ids": prompt_ids(), "multi_modal_data": {"video": warm}}, params)
     request = {"prompt_token_ids": prompt_ids(), "multi_modal_data": {"video": clip}}
+    stages = _instrument(llm, args.device)
     _sync(args.device)
     out = llm.generate(request, params, use_tqdm=False)[0]
     metrics = out.metrics
     assert metrics is not None and metrics.ttft is not None and metrics.e2e_latency is not None
     result = Result("tinyvllm", rate, len(out.prompt_token_ids), metrics.ttft,
-                    metrics.e2e_latency, list(out.outputs[0].token_ids))  # fmt: skip
+                    metrics.e2e_latency, list(out.outputs[0].token_ids), stages)  # fmt: skip
     del llm
     gc.collect()
     return result
@@ -165,16 +208,70 @@ def run_hf(path: Path, clip: np.ndarray, args: argparse.Namespace) -> Result:
         _sync(args.device)
         return time.perf_counter() - start, out[0, kwargs["input_ids"].shape[1] :].tolist()
 
-    generate(inputs(synthetic_clip(clip.shape[0], clip.shape[1], seed=99)), 2)  # warm-up
+    warm = synthetic_clip(args.warmup_frames or clip.shape[0], clip.shape[1], seed=99)
+    generate(inputs(warm), 2)  # warm-up
     kwargs = inputs(clip)
+    stages: dict[str, float] = {}
+    visual = model.model.visual
+    visual.forward = _timed(stages, "vision", visual.forward, args.device)
     ttft, _ = generate(kwargs, 1)
+    del visual.forward
     e2e, tokens = generate(kwargs, args.max_tokens)
-    return Result("transformers", 0.0, kwargs["input_ids"].shape[1], ttft, e2e, tokens)
+    return Result("transformers", 0.0, kwargs["input_ids"].shape[1], ttft, e2e, tokens, stages)
+
+
+def vision_flops(vision: dict[str, Any], grid: tuple[int, int, int]) -> float:
+    """Matmul FLOPs of one forward of the tower over a patch grid (t, h, w): patch embedding,
+    per block qkv / proj / gated MLP and attention (windows or whole frames), the merger."""
+    t, h, w = grid
+    n, d, inter = t * h * w, vision["hidden_size"], vision["intermediate_size"]
+    patch_dim = 3 * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    side = vision["window_size"] // vision["patch_size"]  # window side in patches
+    window = min(side, h) * min(side, w)  # patches a windowed block's query sees (about)
+    linear = 2 * n * (3 * d * d + d * d + 3 * d * inter)
+    blocks = 0.0
+    for i in range(vision["depth"]):
+        span = h * w if i in vision["fullatt_block_indexes"] else window
+        blocks += linear + 4 * n * span * d
+    m = vision["spatial_merge_size"] ** 2
+    merger = 2 * (n // m) * (m * d) * (m * d + vision["out_hidden_size"])
+    return 2 * n * patch_dim * d + blocks + merger
+
+
+def lm_prefill_flops(text: dict[str, Any], tokens: int) -> float:
+    """Matmul FLOPs of the language model's prefill of `tokens` (causal attention, the
+    last token's logits)."""
+    d, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    head = d // text["num_attention_heads"]
+    qkv = d * (d + 2 * text["num_key_value_heads"] * head)
+    per_token = 2 * layers * (qkv + d * d + 3 * d * inter)
+    attention = 2 * layers * tokens * tokens * d  # QK^T and PV over the causal half
+    return tokens * per_token + attention + 2 * d * text["vocab_size"]
 
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def print_bound(path: Path, clip: np.ndarray, results: list[Result]) -> None:
+    """FLOPs of the tower and of each rate's prefill, and the TTFT ratio they allow if every
+    FLOP ran at one speed: (vision + LM(rate)) / (vision + LM(0))."""
+    from tinyvllm.multimodal.qwen_vl_processing import QwenVLProcessorConfig, process_video
+
+    config = json.loads((path / "config.json").read_text())
+    _, grid = process_video(clip, QwenVLProcessorConfig())
+    vision = vision_flops(config["vision_config"], tuple(int(x) for x in grid[0]))
+    runs = [r for r in results if r.engine == "tinyvllm"]
+    base = next((r for r in runs if r.rate == 0.0), None)
+    print(f"FLOPs: vision tower {vision / 1e12:.3f} T (every rate)")
+    for r in runs:
+        lm = lm_prefill_flops(config["text_config"], r.prefill_tokens)
+        line = f"  rate {r.rate:.2f}: LM prefill {lm / 1e12:.3f} T"
+        if base is not None:
+            lm0 = lm_prefill_flops(config["text_config"], base.prefill_tokens)
+            line += f"; bound TTFT/r0 >= {(vision + lm) / (vision + lm0):.2f}x"
+        print(line)
 
 
 def main() -> None:
@@ -185,6 +282,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--warmup-frames",
+        type=int,
+        default=None,
+        help="frames of the warm-up clip (default: as many as the clip)",
+    )
     parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.5, 0.75])
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--checkpoint", type=Path, default=None)
@@ -200,11 +303,15 @@ def main() -> None:
         results.append(run_hf(path, clip, args))
     base = next((r for r in results if r.engine == "tinyvllm" and r.rate == 0.0), None)
     print(f"clip: {frames} frames of {size}x{size}; {args.max_tokens} new tokens")
-    print(f"{'engine':<13}{'rate':>6}{'prefill tok':>13}{'TTFT s':>10}{'e2e s':>9}{'TTFT/r0':>9}")
+    print(f"{'engine':<13}{'rate':>6}{'prefill tok':>13}{'TTFT s':>10}{'e2e s':>9}{'TTFT/r0':>9}"
+          f"{'vision s':>10}{'EVS s':>8}{'LM prefill s':>14}")  # fmt: skip
     for r in results:
         ratio = f"{r.ttft_s / base.ttft_s:.2f}x" if base else "-"
+        st = r.stages
         print(f"{r.engine:<13}{r.rate:>6.2f}{r.prefill_tokens:>13}{r.ttft_s:>10.3f}"
-              f"{r.e2e_s:>9.3f}{ratio:>9}")  # fmt: skip
+              f"{r.e2e_s:>9.3f}{ratio:>9}{st.get('vision', 0):>10.3f}{st.get('evs', 0):>8.3f}"
+              f"{st.get('lm_prefill', 0):>14.3f}")  # fmt: skip
+    print_bound(path, clip, results)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
 

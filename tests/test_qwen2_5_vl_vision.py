@@ -7,9 +7,16 @@ import torch
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionTransformerPretrainedModel,
+    apply_rotary_pos_emb_vision,
 )
 
-from tinyvllm.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer, vision_layout
+from tinyvllm.models.qwen2_5_vl_vision import (
+    Qwen2_5_VisionTransformer,
+    rotate_qk,
+    row_chunks,
+    varlen_attention,
+    vision_layout,
+)
 
 PATCH = 14
 
@@ -79,6 +86,64 @@ def test_matches_hf_fp32(
         got = ours(pixels, grid_thw)
     assert got.shape == (int(grid_thw.prod(-1).sum()) // 4, config.out_hidden_size)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_rows", [16, 40])
+def test_block_passes_over_runs_of_segments_match_hf(chunk_rows: int) -> None:
+    # On CPU each block runs over runs of whole windows / frames of about chunk_rows
+    # patches (the 3B tower: two 448x448 frames at a time); small runs here split every item.
+    config = _config(depth=3, fullatt=(1,))
+    hf = _hf_model(config)
+    ours = _ours(config, hf)
+    ours.chunk_rows = chunk_rows
+    pixels, grid_thw = _inputs(MIXED)
+    seen: list[int] = []
+    ours.blocks[0].mlp.register_forward_hook(lambda _m, args, _o: seen.append(len(args[0])))
+    with torch.no_grad():
+        expected = hf(pixels, grid_thw=grid_thw).pooler_output
+        got = ours(pixels, grid_thw)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    # Windows hold at most 16 patches, so no windowed pass exceeds chunk_rows.
+    assert len(seen) > 1 and max(seen) <= chunk_rows and sum(seen) == len(pixels)
+
+
+def test_row_chunks_keep_segments_whole() -> None:
+    seqlens = [16, 16, 8, 60, 16, 4]
+    runs = row_chunks(seqlens, 32)
+    assert runs == [(0, 32, [16, 16]), (32, 40, [8]), (40, 100, [60]), (100, 120, [16, 4])]
+    assert row_chunks(seqlens, None) == [(0, 120, seqlens)]
+
+
+@pytest.mark.parametrize(
+    "seqlens",
+    [[6, 6, 6], [6, 6, 4, 4, 4], [6, 4, 6, 4, 2]],  # one run; one run per length; interleaved
+)
+def test_varlen_attention_equals_attention_per_segment(seqlens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(sum(seqlens), 3, 2, 8, generator=gen)  # q/k/v are strided views
+    q, k, v = qkv.unbind(1)
+    got = varlen_attention(q, k, v, seqlens, scale=0.3)
+    expected = []
+    for qs, ks, vs in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens), strict=True):
+        scores = torch.einsum("ihd,jhd->hij", qs, ks) * 0.3
+        expected.append(torch.einsum("hij,jhd->ihd", scores.softmax(-1), vs).flatten(1))
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    assert got.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_qk_is_hf_rotary_bit_for_bit(dtype: torch.dtype) -> None:
+    # One fused pass over q and k must round exactly like HF's float32 rotation.
+    gen = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(50, 3, 4, 16, generator=gen) * 3).to(dtype)
+    angles = torch.rand(50, 8, generator=gen) * 40
+    q_hf, k_hf = apply_rotary_pos_emb_vision(
+        qkv[:, 0], qkv[:, 1], torch.cat([angles, angles], -1).cos(),
+        torch.cat([angles, angles], -1).sin(),
+    )  # fmt: skip
+    q, k = rotate_qk(qkv[:, :2], angles.cos(), angles.sin()).unbind(1)
+    assert q.dtype == dtype
+    assert torch.equal(q, q_hf) and torch.equal(k, k_hf)
 
 
 def test_items_are_independent() -> None:

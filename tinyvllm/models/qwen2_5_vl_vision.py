@@ -9,6 +9,12 @@ m*m consecutive patches is one merged token. Windowed blocks attend inside windo
 `window_size` pixels; to make every window a contiguous run, the merged tokens are permuted
 into window order before the blocks and back after the merger. Full-attention blocks attend
 within one temporal patch (frame pair) of one item.
+
+On CPU each block runs over runs of whole attention segments (`VisionLayout.chunks`), about
+`CPU_CHUNK_ROWS` patches at a time: attention never crosses a segment and every other op is
+row-wise, so this equals one pass over all patches, while the run's activations stay in
+cache and its temporaries are reused instead of freshly mapped (a 16-frame 448x448 clip is
+8,192 patches: each full-width temporary would be 20-110 MB).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 
+# Patches per block pass on CPU: two 448x448 frames (2,048 patches, 32 windows of 64);
+# measured on the 3B tower in benchmarks/README.md (evs.py).
+CPU_CHUNK_ROWS = 2048
+
 # The vision blocks and the merger use a fixed eps in every released checkpoint (HF too).
 _NORM_EPS = 1e-6
 
@@ -50,6 +60,30 @@ class VisionLayout:
     window_seqlens: list[int]
     frame_seqlens: list[int]
     positions: torch.Tensor
+
+    def chunks(self, full: bool, chunk_rows: int | None) -> list[tuple[int, int, list[int]]]:
+        """Runs of whole segments of the windowed (or, with `full`, the full-attention)
+        blocks; see `row_chunks`."""
+        return row_chunks(self.frame_seqlens if full else self.window_seqlens, chunk_rows)
+
+
+def row_chunks(seqlens: list[int], chunk_rows: int | None) -> list[tuple[int, int, list[int]]]:
+    """(first row, end row, segment lengths) of consecutive segments grouped greedily into
+    runs of at most `chunk_rows` rows (a longer segment is a run of its own); None: one run."""
+    if chunk_rows is None:
+        return [(0, sum(seqlens), list(seqlens))]
+    runs: list[tuple[int, int, list[int]]] = []
+    start = end = 0
+    current: list[int] = []
+    for length in seqlens:
+        if current and end + length - start > chunk_rows:
+            runs.append((start, end, current))
+            start, current = end, []
+        current.append(length)
+        end += length
+    if current:
+        runs.append((start, end, current))
+    return runs
 
 
 def _item_windows(
@@ -110,30 +144,80 @@ def vision_layout(
     )
 
 
+def _runs(seqlens: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal consecutive lengths: (first row, length, count)."""
+    runs: list[tuple[int, int, int]] = []
+    row = 0
+    for length in seqlens:
+        if runs and runs[-1][1] == length:
+            first, _, count = runs[-1]
+            runs[-1] = (first, length, count + 1)
+        else:
+            runs.append((row, length, 1))
+        row += length
+    return runs
+
+
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: list[int], scale: float
 ) -> torch.Tensor:
-    """Bidirectional attention inside each segment; q/k/v [N, heads, head_dim] -> same shape.
+    """Bidirectional attention inside each segment; q/k/v [N, heads, head_dim] (rows may be
+    strided) -> [N, heads * head_dim], contiguous.
 
-    Segments of equal length are stacked into one batched SDPA call: windows share a few
-    sizes, so a ~1k-patch image costs a handful of kernel launches instead of one per window.
+    Segments of equal length are stacked into one batched 4-D SDPA call. Where each length
+    forms one run of consecutive segments (a grid-aligned frame's windows, a video's frames)
+    the batch is a view of q/k/v; otherwise (partial edge windows interleave two lengths)
+    each length's rows are gathered, so a ~1k-patch image still costs a handful of calls.
     """
-    out = torch.empty_like(q)
+    n, heads, dim = q.shape
+    runs = _runs(seqlens)
+    if len(runs) == 1:  # the common case: no copy in, one copy out
+        _, length, count = runs[0]
+        qs, ks, vs = (x.view(count, length, heads, dim).transpose(1, 2) for x in (q, k, v))
+        res = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        return res.transpose(1, 2).reshape(n, heads * dim)
+    out = q.new_empty(n, heads, dim)
+    if len(runs) == len(set(seqlens)):
+        for first, length, count in runs:
+            rows = slice(first, first + length * count)
+            qs, ks, vs = (
+                x[rows].view(count, length, heads, dim).transpose(1, 2) for x in (q, k, v)
+            )
+            res = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            out[rows] = res.transpose(1, 2).reshape(-1, heads, dim)
+        return out.view(n, heads * dim)
     starts = torch.tensor([0, *seqlens[:-1]], dtype=torch.long).cumsum(0)
     lengths = torch.tensor(seqlens, dtype=torch.long)
     for length in torch.unique(lengths).tolist():
         first = starts[lengths == length].to(q.device)
-        rows = (first[:, None] + torch.arange(length, device=q.device)).flatten()
-        shape = (first.numel(), length, q.shape[1], q.shape[2])
-        qs, ks, vs = (x[rows].view(shape).transpose(1, 2) for x in (q, k, v))
+        index = (first[:, None] + torch.arange(length, device=q.device)).flatten()
+        shape = (first.numel(), length, heads, dim)
+        qs, ks, vs = (x[index].view(shape).transpose(1, 2) for x in (q, k, v))
         res = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
-        out[rows] = res.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+        out[index] = res.transpose(1, 2).reshape(-1, heads, dim)
+    return out.view(n, heads * dim)
+
+
+def rotate_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """2-D rotary on q and k together: qk [N, 2, heads, head_dim] (any strides), cos/sin
+    [N, head_dim / 2] float32 -> rotated, contiguous, in qk's dtype.
+
+    HF computes q * cos + rotate_half(q) * sin in float32 with cos = [c | c]: per half that
+    is x1 * c - x2 * s and x2 * c + x1 * s, the same float32 products and sums here (the
+    bf16 -> float32 promotion is exact) with one rounding at the end, but without the
+    float32 copies of q and k or the concatenated rotated half.
+    """
+    half = qk.shape[-1] // 2
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    x1, x2 = qk[..., :half], qk[..., half:]
+    out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+    first = x1 * cos
+    first -= x2 * sin
+    out[..., :half] = first
+    second = x2 * cos
+    second += x1 * sin
+    out[..., half:] = second
     return out
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 class VisionRotary(nn.Module):
@@ -145,13 +229,13 @@ class VisionRotary(nn.Module):
         self.theta = theta
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N, 2] -> (cos, sin), each [N, head_dim] in float32."""
+        """positions [N, 2] -> (cos, sin), each [N, head_dim / 2] in float32: the angles of
+        both halves of a head (HF repeats them as [angles | angles])."""
         # Computed per call (head_dim / 4 values) rather than kept as a buffer, which
         # `model.to(torch.bfloat16)` would round.
         exponents = torch.arange(0, self.half, 2, dtype=torch.float32, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (exponents / self.half))
         angles = (positions[..., None].float() * inv_freq).flatten(1)  # [rows | columns]
-        angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
 
     def extra_repr(self) -> str:
@@ -170,14 +254,9 @@ class VisionAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, seqlens: list[int], rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        cos, sin = (c[:, None, :] for c in rope)
-        # Rotate in float32 like HF, then return to the activation dtype.
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        out = varlen_attention(q, k, v, seqlens, self.scale)
-        return self.proj(out.reshape(n, -1))
+        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        q, k = rotate_qk(qkv[:, :2], *rope).unbind(1)
+        return self.proj(varlen_attention(q, k, qkv[:, 2], seqlens, self.scale))
 
 
 class VisionMLP(nn.Module):
@@ -194,7 +273,9 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        hidden = self.act(gate)
+        hidden *= up  # in place: one MLP-wide temporary instead of two
+        return self.down_proj(hidden)
 
 
 class VisionBlock(nn.Module):
@@ -206,10 +287,19 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, seqlens: list[int], rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        chunks: list[tuple[int, int, list[int]]],
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), seqlens, rope)
-        return x + self.mlp(self.norm2(x))
+        """x [N, dim], updated in place one run of whole attention segments at a time (the
+        in-place residual adds round like HF's `x + attn(...)`)."""
+        cos, sin = rope
+        for start, end, seqlens in chunks:
+            part = x[start:end]
+            part += self.attn(self.norm1(part), seqlens, (cos[start:end], sin[start:end]))
+            part += self.mlp(self.norm2(part))
+        return x
 
 
 class PatchEmbedProj(ReplicatedLinear):
@@ -284,6 +374,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
                 f"token (spatial_merge_size * patch_size = {self.merge * config.patch_size})"
             )
         self.fullatt_block_indexes = frozenset(config.fullatt_block_indexes)
+        # Patches per block pass on CPU (see the module docstring); a GPU takes all at once.
+        self.chunk_rows: int | None = CPU_CHUNK_ROWS
         self.patch_embed = PatchEmbed(config)
         head_dim = config.hidden_size // config.num_heads
         self.rotary_pos_emb = VisionRotary(head_dim, _rope_theta(config))
@@ -310,9 +402,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x.view(-1, unit, x.shape[-1])[layout.window_index].view(-1, x.shape[-1])
         rope = self.rotary_pos_emb(layout.positions)
+        rows = self.chunk_rows if x.device.type == "cpu" else None
+        chunks = {full: layout.chunks(full, rows) for full in (False, True)}
         for i, block in enumerate(self.blocks):
-            full = i in self.fullatt_block_indexes
-            x = block(x, layout.frame_seqlens if full else layout.window_seqlens, rope)
+            x = block(x, chunks[i in self.fullatt_block_indexes], rope)
         merged = self.merger(x)
         out = torch.empty_like(merged)
         out[layout.window_index] = merged  # back to the input order
