@@ -3,7 +3,9 @@ of GEMM weights where the CPU has no bf16 matmul."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -49,6 +51,11 @@ class CpuPlatform(Platform):
     @property
     def native_layer_ops(self) -> bool:
         return self.native is not None
+
+    def native_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        if self.native is None:
+            return contextlib.nullcontext()
+        return self.native.step(num_tokens)
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():

@@ -169,7 +169,7 @@ class ModelRunner:
         if native_step:
             # The native kernels run this step on their own threads; torch's OpenMP workers,
             # woken by sampling, would spin for milliseconds on the same cores.
-            with torch_intra_op_threads(1):
+            with torch_intra_op_threads(1), self.platform.native_step(num_tokens):
                 return self._execute_model(sched)
         return self._execute_model(sched)
 
