@@ -241,7 +241,7 @@ BlockRowsFn block_rows_for_m(int M) {
 void bf16_gemv_avx512(const uint16_t* w, const uint16_t* x, int M, int64_t K, int64_t n0,
                       int64_t n1, int64_t N, float* acc) {
   switch (M) {
-    case 1: return bf16_rows<1, 8>(w, x, K, n0, n1, N, acc);
+    case 1: return bf16_rows<1, 4>(w, x, K, n0, n1, N, acc);
     case 2: return bf16_rows<2, 8>(w, x, K, n0, n1, N, acc);
     case 3: return bf16_rows<3, 4>(w, x, K, n0, n1, N, acc);
     case 4: return bf16_rows<4, 4>(w, x, K, n0, n1, N, acc);
