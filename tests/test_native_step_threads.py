@@ -101,3 +101,20 @@ def test_decode_steps_measure_both_modes(tiny_models) -> None:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
     modes = {alone for tokens, alone in ops.step_threads.estimates if tokens == 1}
     assert modes == {False, True}
+
+
+def test_a_mode_that_loses_badly_is_tried_rarely() -> None:
+    """Under load torch's two-thread prefill took 40x the one-thread time: its trials must
+    back off by the loss, not one doubling at a time."""
+    choice = StepThreadChoice(2, max_interval=256)
+    together = 1000 - run_steps(choice, {2: 400e6, 1: 10e6}, 1000, tokens=512)
+    assert together <= 6, together
+
+
+def test_long_steps_compare_per_token_within_a_power_of_two() -> None:
+    choice = StepThreadChoice(2)
+    choice.choose(300)
+    choice.record(300, 300e6)  # together: 1 ms per token
+    assert choice.choose(500) == 1  # same bucket (512), alone not measured yet
+    choice.record(500, 250e6)  # alone: 0.5 ms per token
+    assert choice.choose(400) == 1

@@ -55,6 +55,11 @@ class Platform:
         per step where the platform has them)."""
         return contextlib.nullcontext()
 
+    def torch_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        """Wraps a step whose heavy work runs on torch ops (prefill on CPU: torch's thread
+        count chosen per step there)."""
+        return contextlib.nullcontext()
+
     def prepare_model(self, model: nn.Module) -> None:
         """Give a loaded model (target or draft) what this platform runs it with."""
 

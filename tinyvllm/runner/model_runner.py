@@ -171,7 +171,8 @@ class ModelRunner:
             # woken by sampling, would spin for milliseconds on the same cores.
             with torch_intra_op_threads(1), self.platform.native_step(num_tokens):
                 return self._execute_model(sched)
-        return self._execute_model(sched)
+        with self.platform.torch_step(num_tokens):
+            return self._execute_model(sched)
 
     def _execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
