@@ -109,10 +109,11 @@ def tinyvllm_runners(
 
     runners: dict[str, Callable[[Workload], float]] = {}
     if "pool-switch" in modes:
-        # The previous release's policy: the step's thread count is not chosen by measuring
-        # both modes; the pool alone switches to the caller when its workers stall.
+        # The previous release's policy: no step's thread count is chosen by measuring both
+        # modes; the native pool alone switches to the caller when its workers stall.
         plain = LLM(model=str(model_dir), **engine_kwargs)
-        plain.engine.runner.platform.native_step = lambda num_tokens: contextlib.nullcontext()
+        platform = plain.engine.runner.platform
+        platform.native_step = platform.torch_step = lambda tokens: contextlib.nullcontext()
         runners["tinyvllm LLM.generate, pool switch only"] = generate_runner(plain, params)
     if "generate" in modes:
         runners["tinyvllm LLM.generate"] = generate_runner(
