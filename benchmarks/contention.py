@@ -12,6 +12,7 @@ the same engine's quiet best. Usage: see benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -35,7 +36,15 @@ from throughput import (
     make_workloads,
 )
 
-BUSY_LOOP = "while True: pass"
+# A CPU-bound competitor that exits when its parent (this script) is gone, even when this
+# script is killed before it can kill the competitors.
+BUSY_LOOP = """
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(1_000_000):
+        pass
+"""
 
 
 @dataclass
@@ -70,6 +79,20 @@ def competitors(count: int) -> Iterator[None]:
             proc.wait()
 
 
+def generate_runner(llm: Any, params: Callable[[Workload], list[Any]]) -> Callable:
+    def run_generate(wl: Workload) -> float:
+        prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params(wl), use_tqdm=False)
+        wall = time.perf_counter() - start
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        if got != wl.max_tokens:
+            raise RuntimeError(f"LLM.generate {wl.key}: output lengths {got}")
+        return wall
+
+    return run_generate
+
+
 def tinyvllm_runners(
     model_dir: Path, engine_kwargs: dict[str, Any], modes: Sequence[str]
 ) -> dict[str, Callable[[Workload], float]]:
@@ -85,20 +108,18 @@ def tinyvllm_runners(
         ]
 
     runners: dict[str, Callable[[Workload], float]] = {}
+    if "pool-switch" in modes:
+        # The previous release's policy: no step's thread count is chosen by measuring both
+        # modes; the native pool alone switches to the caller when its workers stall.
+        plain = LLM(model=str(model_dir), **engine_kwargs)
+        platform = plain.engine.runner.platform
+        platform.native_step = platform.torch_step = lambda tokens: contextlib.nullcontext()
+        runners["tinyvllm LLM.generate, pool switch only"] = generate_runner(plain, params)
     if "generate" in modes:
-        llm = LLM(model=str(model_dir), **engine_kwargs)
+        runners["tinyvllm LLM.generate"] = generate_runner(
+            LLM(model=str(model_dir), **engine_kwargs), params
+        )
 
-        def run_generate(wl: Workload) -> float:
-            prompts = [{"prompt_token_ids": p} for p in wl.prompts]
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params(wl), use_tqdm=False)
-            wall = time.perf_counter() - start
-            got = [len(o.outputs[0].token_ids) for o in outs]
-            if got != wl.max_tokens:
-                raise RuntimeError(f"LLM.generate {wl.key}: output lengths {got}")
-            return wall
-
-        runners["tinyvllm LLM.generate"] = run_generate
     if "async" in modes:
         allm = AsyncLLM(str(model_dir), **engine_kwargs)
 
@@ -143,7 +164,9 @@ def measure(
     workloads: list[Workload],
     loads: Sequence[int],
     rounds: int,
+    skip: frozenset[tuple[str, str]] = frozenset(),
 ) -> tuple[dict[tuple[str, str, int], Cell], list[float]]:
+    """Every (engine, workload) cell not in `skip`, at every load, `rounds` times."""
     cells: dict[tuple[str, str, int], Cell] = {}
     loadavgs: list[float] = []
     for rnd in range(rounds):
@@ -153,6 +176,8 @@ def measure(
             with competitors(count):
                 for name, run in runners.items():
                     for wl in workloads:
+                        if (name, wl.key) in skip:
+                            continue
                         tok_s = wl.counted_tokens / run(wl)
                         cells.setdefault((name, wl.key, count), Cell()).samples.append(tok_s)
                         loadavgs.append(os.getloadavg()[0])
@@ -196,10 +221,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", default="0,1,2", help="competing processes per cell, 0 first")
     p.add_argument("--workloads", default="b,a", help="b = single stream, a = batch 16")
     p.add_argument(
-        "--modes", default="generate,async", help="tinyvllm front ends: generate, async, or none"
+        "--modes",
+        default="generate,async",
+        help="tinyvllm front ends: generate, async, pool-switch (LLM.generate without the "
+        "per-step thread choice), or none",
     )
     p.add_argument("--gguf", type=Path, default=None, help="GGUF of the checkpoint for llama.cpp")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: cores)")
+    p.add_argument(
+        "--peer-workloads",
+        default=None,
+        help="workloads llama.cpp runs (default: all; its batch 16 is 16 requests in a row)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -235,10 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("llama.cpp: skipped (pass --gguf, the checkpoint as a bf16 GGUF)")
     else:
         runners["llama.cpp"] = llama_cpp_runner(args.gguf, args.threads or info["cores_visible"])
-    for run in runners.values():  # warm-up: first-call costs stay out of every cell
+    peer_keys = set((args.peer_workloads or args.workloads).split(","))
+    skip = frozenset(("llama.cpp", wl.key) for wl in workloads if wl.key not in peer_keys)
+    for name, run in runners.items():  # warm-up: first-call costs stay out of every cell
         for wl in workloads:
-            run(wl)
-    cells, loadavgs = measure(runners, workloads, args.load_counts, args.rounds)
+            if (name, wl.key) not in skip:
+                run(wl)
+    cells, loadavgs = measure(runners, workloads, args.load_counts, args.rounds, skip)
     print()
     print(render(cells, list(runners), workloads, args.load_counts))
     print(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -161,6 +161,9 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_llama_decode": (c_int, (POINTER(TvModel), _L, _L, _P, _P, _P, _P, _P, _L, _P, _P, _P)),
         # thread_pool.cpp
         "tv_pool_stats": (None, (_P,)),
+        "tv_pool_govern": (None, (_I,)),
+        # avx512_kernels.cpp
+        "tv_set_isa": (c_int, (_I,)),
     }
 )
 

@@ -13,7 +13,7 @@
 
 // The ABI this source tree exports (tinyvllm/native/abi.py declares it for ctypes: signatures,
 // struct layouts, codes). Bump both together on any change the Python side must follow.
-#define TV_ABI_VERSION 4
+#define TV_ABI_VERSION 5
 
 namespace tv {
 
@@ -23,6 +23,24 @@ using RangeFn = void (*)(void* ctx, int64_t item);
 // returns when all have run. Items are claimed one at a time in increasing order (whoever is
 // free takes the next), so a thread the OS has descheduled delays at most the item it holds.
 void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx);
+
+// Instruction sets of the GEMV kernels (avx512_kernels.cpp): the AVX2 ones always build; the
+// AVX-512 ones run when the CPU has AVX-512 BW/VL/DQ and BF16 (isa_level(), probed once).
+constexpr int kIsaAvx2 = 1;
+constexpr int kIsaAvx512 = 2;
+int isa_level();
+
+// bf16 rows [n0, n1) of w [N][K] against M <= 8 bf16 activation rows x [M][K] (vdpbf16ps):
+// row n's sums land in acc[(n - n0) * M + m]. AVX-512 BF16 only.
+void bf16_gemv_avx512(const uint16_t* w, const uint16_t* x, int M, int64_t K, int64_t n0,
+                      int64_t n1, int64_t N, float* acc);
+
+// A block GEMV over GGUF rows [n0, n1) against M fp32 rows x [M][K] and their group sums xs8
+// [K / 32][8]: (w, row_bytes, x, xs8, K, n0, n1, res[(n - n0) * M + m]).
+using BlockRowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t,
+                             int64_t, int64_t, float*);
+// The AVX-512 kernel for a format code and M (1..8), or null where only AVX2 has one.
+BlockRowsFn block_rows_avx512(int fmt, int M);
 
 template <class F>
 void parallel_for(int64_t n, int nthreads, F&& f) {

@@ -147,6 +147,27 @@ inline void value_sum(const void* kv, int dt, const int64_t* off, int64_t first,
     value_sum_t<V>(static_cast<const float*>(kv), off, first, L, s, d0, out);
 }
 
+// tv_linear for bf16 activations and weights on AVX-512 BF16 (vdpbf16ps on the bf16 rows as
+// they are: no fp32 copy of x); same items as tv_linear's.
+void linear_bf16_avx512(const uint16_t* x, const uint16_t* w, const void* bias, int b_dt,
+                        uint16_t* out, int M, int64_t N, int64_t K, int nthreads) {
+  constexpr int64_t kChunk = 32;
+  const int64_t nchunks = (N + kChunk - 1) / kChunk, ntiles = (M + 7) / 8;
+  parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {
+    const int m0 = static_cast<int>(item / nchunks) * 8;
+    const int tile = M - m0 < 8 ? M - m0 : 8;
+    const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
+    alignas(64) float acc[kChunk * 8];  // [row][tile]
+    bf16_gemv_avx512(w, x + static_cast<int64_t>(m0) * K, tile, K, n0, n1, N, acc);
+    for (int m = 0; m < tile; ++m)
+      for (int64_t n = n0; n < n1; ++n) {
+        float v = acc[(n - n0) * tile + m];
+        if (bias) v += load(bias, n, b_dt);
+        out[(m0 + m) * N + n] = f32_to_bf16(v);
+      }
+  });
+}
+
 float* to_f32(const void* x, int64_t n, int dt) {
   float* buf = static_cast<float*>(checked_aligned_alloc(n * 4));
   for (int64_t i = 0; i < n; ++i) buf[i] = load(x, i, dt);
@@ -165,6 +186,9 @@ extern "C" {
 void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bias, int b_dt,
                void* out, int M, int64_t N, int64_t K, int nthreads) {
   constexpr int64_t kChunk = 32;
+  if (x_dt == 1 && w_dt == 1 && isa_level() == kIsaAvx512)
+    return linear_bf16_avx512(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                              bias, b_dt, static_cast<uint16_t*>(out), M, N, K, nthreads);
   float* xf = to_f32(x, static_cast<int64_t>(M) * K, x_dt);
   const int64_t nchunks = (N + kChunk - 1) / kChunk, ntiles = (M + 7) / 8;
   parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {

@@ -7,7 +7,10 @@ Each method takes and returns torch tensors and checks only what the kernels ass
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,6 +18,7 @@ import torch
 from tinyvllm.native.abi import DTYPE_CODES as _DTYPE_CODES
 from tinyvllm.native.abi import format_code as dtype_code
 from tinyvllm.native.build import load_library
+from tinyvllm.native.step_threads import StepThreadChoice
 from tinyvllm.utils.cpu import native_threads
 
 # Input rows up to which the native kernel beats torch: with bf16 weights up to 64 rows
@@ -54,6 +58,20 @@ class NativeCpuOps:
     def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
         self.lib = lib
         self.num_threads = num_threads
+        self.step_threads = StepThreadChoice(num_threads)
+
+    @contextlib.contextmanager
+    def step(self, num_tokens: int) -> Iterator[None]:
+        """A decode step of `num_tokens` tokens: every native region in it runs on the thread
+        count `step_threads` picks (all, or the caller alone), and the step's wall time
+        informs the next pick."""
+        self.lib.tv_pool_govern(self.step_threads.choose(num_tokens))
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.step_threads.record(num_tokens, time.perf_counter_ns() - start)
+            self.lib.tv_pool_govern(0)
 
     @classmethod
     def load(cls, num_threads: int | None = None) -> NativeCpuOps | None:

@@ -281,8 +281,7 @@ void rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* xs8,
   }
 }
 
-using RowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, int64_t,
-                        int64_t, float*);
+using RowsFn = BlockRowsFn;
 
 template <class F>
 RowsFn rows_for_m(int M) {
@@ -397,6 +396,11 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
       }
   }
   const uint8_t* wb = static_cast<const uint8_t*>(w);
+  // AVX-512 where the CPU and the format have it (same arithmetic on 16 lanes), else AVX2.
+  const bool wide = isa_level() == kIsaAvx512 && block_rows_avx512(w_fmt, 1) != nullptr;
+  auto kernel = [&](int tile) {
+    return wide ? block_rows_avx512(w_fmt, tile) : rows_for(w_fmt, tile);
+  };
   // One parallel region for all tiles; items are (tile, 32 output rows), contiguous weight
   // bytes each, so every thread's stream stays sequential for the prefetchers.
   constexpr int64_t kChunk = 32;
@@ -407,7 +411,7 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
     const float* xf = buf + item / nchunks * tile_floats;
     const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
     float res[kChunk * kMaxRows];
-    rows_for(w_fmt, tile)(wb, row_bytes, xf, xf + kMaxRows * K, K, n0, n1, res);
+    kernel(tile)(wb, row_bytes, xf, xf + kMaxRows * K, K, n0, n1, res);
     for (int64_t n = n0; n < n1; ++n) {
       const float b = bias ? load(bias, n, b_dt) : 0.0f;
       for (int m = 0; m < tile; ++m)

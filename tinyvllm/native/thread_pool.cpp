@@ -89,10 +89,17 @@ class Pool {
     return *pool;
   }
 
-  void run(int64_t n, int nthreads, tv::RangeFn fn, void* ctx) {
+  // governed: the caller chose the thread count for this step (tv_pool_govern), so the
+  // pool's own switch to running alone stays out of it.
+  void run(int64_t n, int nthreads, tv::RangeFn fn, void* ctx, bool governed) {
     // One region at a time: callers from several threads (LLM and AsyncLLM engines in one
     // process) take turns.
     std::lock_guard<std::mutex> guard(run_lock_);
+    if (governed) {
+      ++stats_[0];
+      stats_[3] += run_parallel(n, nthreads, fn, ctx);
+      return;
+    }
     if (solo_regions_ > 0) {
       --solo_regions_;
       ++stats_[1];
@@ -209,6 +216,8 @@ class Pool {
   // Regions run by the pool, regions run alone, switches to running alone, ns slept on
   // stalls (tv_pool_stats).
   int64_t stats_[4] = {0, 0, 0, 0};
+  // tv_pool_govern's thread count (0: not governed).
+  std::atomic<int> governed_{0};
   std::vector<std::thread> workers_;
   tv::RangeFn fn_ = nullptr;
   void* ctx_ = nullptr;
@@ -227,15 +236,25 @@ namespace tv {
 
 void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx) {
   if (n <= 0) return;
+  Pool& pool = Pool::get();
+  const int governed = pool.governed_.load(std::memory_order_relaxed);
+  if (governed > 0 && governed < nthreads) nthreads = governed;
   if (nthreads <= 1 || n == 1 || n > kMaxItems) {
     for (int64_t i = 0; i < n; ++i) fn(ctx, i);
     return;
   }
-  Pool::get().run(n, nthreads, fn, ctx);
+  pool.run(n, nthreads, fn, ctx, governed > 0);
 }
 
 }  // namespace tv
 
 extern "C" void tv_pool_stats(int64_t* out) {
   for (int i = 0; i < 4; ++i) out[i] = Pool::get().stats_[i];
+}
+
+// Every region from now on runs on at most `threads` threads, and the pool does not switch to
+// running alone by itself (> 0: the engine chose this decode step's thread count by measuring
+// both, tinyvllm/native/step_threads.py); 0 hands the choice back to the pool.
+extern "C" void tv_pool_govern(int threads) {
+  Pool::get().governed_.store(threads > 0 ? threads : 0, std::memory_order_relaxed);
 }

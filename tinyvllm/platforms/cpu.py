@@ -3,7 +3,11 @@ of GEMM weights where the CPU has no bf16 matmul."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -14,8 +18,13 @@ from tinyvllm.models.layers.linear import Fp32CopyBudget, attach_fp32_gemm_weigh
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
+from tinyvllm.native.step_threads import StepThreadChoice
 from tinyvllm.platforms.interface import Platform
-from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
+from tinyvllm.utils.cpu import (
+    FP32_GEMM_MIN_ROWS,
+    has_native_bf16_matmul,
+    torch_intra_op_threads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,9 @@ class CpuPlatform(Platform):
         # fp32 GEMM weight copies are made on first use within this; target and draft share it.
         self.fp32_copy_budget = Fp32CopyBudget(fp32_weight_copy_bytes)
         self.name = "cpu" if native is None else "cpu_native"
+        # torch's intra-op threads per torch-run step: all, or one when that measures faster
+        # (another program on the cores makes every OpenMP region wait for its time slice).
+        self.torch_threads = StepThreadChoice(torch.get_num_threads(), max_interval=256)
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
         )
@@ -49,6 +61,21 @@ class CpuPlatform(Platform):
     @property
     def native_layer_ops(self) -> bool:
         return self.native is not None
+
+    def native_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        if self.native is None:
+            return contextlib.nullcontext()
+        return self.native.step(num_tokens)
+
+    @contextlib.contextmanager
+    def torch_step(self, num_tokens: int) -> Iterator[None]:
+        threads = self.torch_threads.choose(num_tokens)
+        start = time.perf_counter_ns()
+        try:
+            with torch_intra_op_threads(threads):
+                yield
+        finally:
+            self.torch_threads.record(num_tokens, time.perf_counter_ns() - start)
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():

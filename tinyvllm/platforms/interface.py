@@ -10,6 +10,8 @@ gives on any device).
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +49,16 @@ class Platform:
         """Whether layers run native kernels on their own thread pool (then a decode-sized
         step keeps torch single-threaded, so its OpenMP workers do not compete)."""
         return False
+
+    def native_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        """Wraps a decode-sized step that runs on native kernels (their thread count chosen
+        per step where the platform has them)."""
+        return contextlib.nullcontext()
+
+    def torch_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        """Wraps a step whose heavy work runs on torch ops (prefill on CPU: torch's thread
+        count chosen per step there)."""
+        return contextlib.nullcontext()
 
     def prepare_model(self, model: nn.Module) -> None:
         """Give a loaded model (target or draft) what this platform runs it with."""

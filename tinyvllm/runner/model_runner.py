@@ -169,9 +169,10 @@ class ModelRunner:
         if native_step:
             # The native kernels run this step on their own threads; torch's OpenMP workers,
             # woken by sampling, would spin for milliseconds on the same cores.
-            with torch_intra_op_threads(1):
+            with torch_intra_op_threads(1), self.platform.native_step(num_tokens):
                 return self._execute_model(sched)
-        return self._execute_model(sched)
+        with self.platform.torch_step(num_tokens):
+            return self._execute_model(sched)
 
     def _execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states

@@ -1,0 +1,120 @@
+"""Each native decode step's thread count, chosen by measuring both modes
+(tinyvllm/native/step_threads.py), and the pool following the choice (tv_pool_govern)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.native import NativeCpuOps
+from tinyvllm.native.build import load_library, unsupported_reason
+from tinyvllm.native.step_threads import StepThreadChoice
+
+native_only = pytest.mark.skipif(
+    unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
+)
+
+
+def run_steps(choice: StepThreadChoice, cost: dict[int, float], steps: int, tokens: int = 1):
+    """Steps whose wall time is cost[threads]; returns how many ran alone."""
+    alone = 0
+    for _ in range(steps):
+        threads = choice.choose(tokens)
+        alone += threads == 1
+        choice.record(tokens, cost[threads])
+    return alone
+
+
+def test_quiet_machine_keeps_the_workers_and_rarely_tries_alone() -> None:
+    choice = StepThreadChoice(2)
+    alone = run_steps(choice, {2: 10e6, 1: 16e6}, 1000)
+    assert alone <= 1000 / choice.max_interval + 6, alone  # back-off: one trial in 64 at most
+    assert choice.interval == choice.max_interval
+
+
+def test_busy_machine_runs_alone_and_follows_the_load() -> None:
+    choice = StepThreadChoice(2)
+    run_steps(choice, {2: 10e6, 1: 16e6}, 200)  # quiet first
+    # A competitor arrives: the workers' steps now wait for descheduled threads.
+    alone = run_steps(choice, {2: 30e6, 1: 16e6}, 200)
+    assert alone >= 190, alone
+    # It leaves again: back to the workers within one back-off interval and a few steps.
+    together = 200 - run_steps(choice, {2: 10e6, 1: 16e6}, 200)
+    assert together >= 200 - choice.max_interval - 8, together
+
+
+def test_batch_sizes_keep_their_own_estimates() -> None:
+    choice = StepThreadChoice(2)
+    for _ in range(100):  # batch 1 is faster alone, batch 16 with the workers
+        for tokens, cost in ((1, {2: 20e6, 1: 12e6}), (16, {2: 30e6, 1: 55e6})):
+            threads = choice.choose(tokens)
+            choice.record(tokens, cost[threads])
+    assert choice.choose(1) == 1 or choice.trial
+    choice.record(1, 12e6)
+    assert choice.estimates[(1, True)] < choice.estimates[(1, False)]
+    assert choice.estimates[(16, False)] < choice.estimates[(16, True)]
+
+
+def test_one_thread_has_nothing_to_choose() -> None:
+    choice = StepThreadChoice(1)
+    assert run_steps(choice, {1: 1e6}, 10) == 10
+    assert choice.estimates == {}
+
+
+def _pool_regions(lib: ctypes.CDLL) -> int:
+    stats = (ctypes.c_int64 * 4)()
+    lib.tv_pool_stats(stats)
+    return stats[0] + stats[1]  # regions the pool ran, with workers or alone
+
+
+@native_only
+def test_governed_pool_runs_alone_when_told() -> None:
+    lib = load_library()
+    ops = NativeCpuOps(lib, 2)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(256, 64, generator=gen)
+    x = torch.randn(2, 64, generator=gen)
+    ref = ops.linear(x, w, None)
+    try:
+        lib.tv_pool_govern(1)
+        before = _pool_regions(lib)
+        got = ops.linear(x, w, None)
+        assert _pool_regions(lib) == before  # ran on the calling thread, no region
+        lib.tv_pool_govern(2)
+        assert torch.equal(ops.linear(x, w, None), got)
+        assert _pool_regions(lib) == before + 1
+    finally:
+        lib.tv_pool_govern(0)
+    assert torch.equal(got, ref)
+
+
+@native_only
+def test_decode_steps_measure_both_modes(tiny_models) -> None:
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=128)
+    ops = llm.engine.runner.platform.native
+    if ops.num_threads < 2:
+        pytest.skip("one core: nothing to choose")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
+    modes = {alone for tokens, alone in ops.step_threads.estimates if tokens == 1}
+    assert modes == {False, True}
+
+
+def test_a_mode_that_loses_badly_is_tried_rarely() -> None:
+    """Under load torch's two-thread prefill took 40x the one-thread time: its trials must
+    back off by the loss, not one doubling at a time."""
+    choice = StepThreadChoice(2, max_interval=256)
+    together = 1000 - run_steps(choice, {2: 400e6, 1: 10e6}, 1000, tokens=512)
+    assert together <= 6, together
+
+
+def test_long_steps_compare_per_token_within_a_power_of_two() -> None:
+    choice = StepThreadChoice(2)
+    choice.choose(300)
+    choice.record(300, 300e6)  # together: 1 ms per token
+    assert choice.choose(500) == 1  # same bucket (512), alone not measured yet
+    choice.record(500, 250e6)  # alone: 0.5 ms per token
+    assert choice.choose(400) == 1
