@@ -29,6 +29,14 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return -1
 
 
+def _assert_as_eager(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within one bf16 ulp of eager (fp32: within the default float tolerance)."""
+    if got.dtype == torch.bfloat16:
+        assert _ulps(got, ref) <= 1
+    else:
+        torch.testing.assert_close(got, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 21])
 @pytest.mark.parametrize("n,k", [(37, 64), (96, 200), (130, 13)])
@@ -72,12 +80,7 @@ def test_silu_mul(ops: NativeCpuOps, dtype: torch.dtype) -> None:
     from tinyvllm.models.layers.activation import SiluAndMul
 
     x = torch.randn(4, 2 * 50, generator=torch.Generator().manual_seed(1)).to(dtype)
-    ref = SiluAndMul()(x)
-    got = ops.silu_mul(x)
-    if dtype == torch.bfloat16:
-        assert _ulps(got, ref) <= 1
-    else:
-        torch.testing.assert_close(got, ref)
+    _assert_as_eager(ops.silu_mul(x), SiluAndMul()(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,3 +142,55 @@ def test_paged_decode_and_store(
         ref = torch.einsum("hl,lhd->hd", s.softmax(-1), v)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out[i].float(), ref.to(dtype).float(), rtol=tol, atol=tol)
+
+
+def _row_kernels(ops: NativeCpuOps) -> None:
+    if not ops.row_kernels:
+        pytest.skip("the AVX-512 row kernels need avx512f and avx512bw")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_sized_norm_silu_rope_take_the_row_kernels(
+    ops: NativeCpuOps, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill-sized inputs (> MAX_ELEMENTWISE_ROWS rows) go to the multi-threaded AVX-512
+    kernels, which agree with eager as the one-thread kernels do: residual and rope bitwise,
+    normed and SiLU outputs within one bf16 ulp. Widths leave 16-lane tails (H = 101)."""
+    from tinyvllm.models.layers.activation import SiluAndMul
+    from tinyvllm.models.layers.norm import RMSNorm
+    from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
+    from tinyvllm.native.ops import MAX_ELEMENTWISE_ROWS
+
+    _row_kernels(ops)
+    called: list[str] = []
+    for name in ("tv_rows_rms_norm", "tv_rows_silu_mul", "tv_rows_rope"):
+        fn = getattr(ops.lib, name)
+        monkeypatch.setattr(ops.lib, name, lambda *a, _f=fn, _n=name: called.append(_n) or _f(*a))
+    gen = torch.Generator().manual_seed(7)
+    t = MAX_ELEMENTWISE_ROWS * 3 + 5
+    norm = RMSNorm(101, eps=1e-5)
+    norm.weight.data = torch.randn(101, generator=gen).to(dtype)
+    x = (torch.randn(t, 101, generator=gen) * 3).to(dtype)
+    res = torch.randn(t, 101, generator=gen).to(dtype)
+    assert ops.elementwise_fits(x)
+    ref_out, ref_res = norm(x, res.clone())
+    res_native = res.clone()
+    got = ops.rms_norm(x, res_native, norm.weight, 1e-5)
+    assert torch.equal(res_native, ref_res)
+    _assert_as_eager(got, ref_out)
+
+    # Large |gate| reaches exp's overflow and underflow: silu must give -0 and the gate there.
+    g = torch.randn(t, 2 * 83, generator=gen) * 4
+    g[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])
+    g = g.to(dtype)
+    _assert_as_eager(ops.silu_mul(g), SiluAndMul()(g))
+
+    head_dim, hq, hkv = 40, 3, 1  # half = 20: one 16-lane step and a tail
+    rope = RotaryEmbedding(RopeConfig("default", 10000.0, head_dim, head_dim, 512), 512)
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (t,), generator=gen)
+    q, k, _ = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    ops.rope_(q, k, head_dim, head_dim, positions, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert called == ["tv_rows_rms_norm", "tv_rows_silu_mul", "tv_rows_rope"]

@@ -1,11 +1,12 @@
 """The native library's ABI, declared once: every exported function's ctypes signature, the
 decode program's struct layouts, the dtype / weight format codes and status codes.
 
-The C++ sources (cpu_kernels.cpp, quant_kernels.cpp, llama_decode.cpp, thread_pool.cpp,
-common.h) are the other half of this table; `ABI_VERSION` equals `TV_ABI_VERSION` in common.h
-and is compiled into the library (`tv_abi_version()`), so a library built from other sources
-is caught at load (see build.py). Change both sides and bump both numbers together;
-tests/test_native_abi.py checks that the exports, the version and the struct fields agree.
+The C++ sources (cpu_kernels.cpp, row_kernels.cpp, quant_kernels.cpp, llama_decode.cpp,
+thread_pool.cpp, common.h) are the other half of this table; `ABI_VERSION` equals
+`TV_ABI_VERSION` in common.h and is compiled into the library (`tv_abi_version()`), so a library
+built from other sources is caught at load (see build.py). Change both sides and bump both
+numbers together; tests/test_native_abi.py checks that the exports, the version and the struct
+fields agree.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -150,6 +151,11 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
             None,
             (_P, _L, _P, _I, _L, _P, _P, _P, _P, _P, _L, _P, _L, _L, _L, _L, _L, _F, _L, _F, _I),
         ),
+        # row_kernels.cpp
+        "tv_rows_supported": (c_int, ()),
+        "tv_rows_rms_norm": (None, (_P, _P, _P, _P, _I, _L, _L, _F, _I)),
+        "tv_rows_silu_mul": (None, (_P, _P, _I, _L, _L, _I)),
+        "tv_rows_rope": (None, (_P, _L, _L, _P, _L, _L, _I, _L, _L, _L, _P, _P, _P, _I)),
         # quant_kernels.cpp
         "tv_linear_blocks": (None, _LINEAR),
         "tv_linear_any": (None, _LINEAR),

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 # program that calls both and the thread pool they run on; common.h holds what they share.
 SOURCES = (
     Path(__file__).with_name("cpu_kernels.cpp"),
+    Path(__file__).with_name("row_kernels.cpp"),
     Path(__file__).with_name("quant_kernels.cpp"),
     Path(__file__).with_name("llama_decode.cpp"),
     Path(__file__).with_name("thread_pool.cpp"),

@@ -27,8 +27,10 @@ from tinyvllm.utils.cpu import native_threads
 # rows and MKL's blocked GEMM wins beyond.
 MAX_LINEAR_ROWS = 64
 MAX_FP32_LINEAR_ROWS = 16
-# The element-wise kernels run on one thread: past a few dozen rows torch's vectorised,
-# multi-threaded ops are faster, and the dispatch overhead they save no longer matters.
+# The element-wise kernels of cpu_kernels.cpp run on one thread: past a few dozen rows torch's
+# vectorised, multi-threaded ops are faster, and the dispatch overhead they save no longer
+# matters. Where the CPU has AVX-512, larger inputs (prefill) go to row_kernels.cpp instead,
+# which split rows over the thread pool and fuse what eager runs as several ops.
 MAX_ELEMENTWISE_ROWS = 64
 
 
@@ -59,6 +61,8 @@ class NativeCpuOps:
         self.lib = lib
         self.num_threads = num_threads
         self.step_threads = StepThreadChoice(num_threads)
+        # Whether the AVX-512 row kernels (any number of rows) run on this CPU.
+        self.row_kernels = bool(lib.tv_rows_supported())
 
     @contextlib.contextmanager
     def step(self, num_tokens: int) -> Iterator[None]:
@@ -72,6 +76,20 @@ class NativeCpuOps:
         finally:
             self.step_threads.record(num_tokens, time.perf_counter_ns() - start)
             self.lib.tv_pool_govern(0)
+
+    def elementwise_fits(self, x: torch.Tensor) -> bool:
+        """`x` can go to `rms_norm` / `silu_mul` / `rope_`: like `elementwise_rows_fit`, with
+        any number of rows where the row kernels run."""
+        return (
+            x.dim() == 2
+            and (x.shape[0] <= MAX_ELEMENTWISE_ROWS or self.row_kernels)
+            and x.stride(1) == 1
+            and dtype_code(x.dtype) is not None
+        )
+
+    def _rows(self, x: torch.Tensor) -> bool:
+        """Whether `x` takes the multi-threaded row kernels rather than the one-thread ones."""
+        return x.shape[0] > MAX_ELEMENTWISE_ROWS and self.row_kernels
 
     @classmethod
     def load(cls, num_threads: int | None = None) -> NativeCpuOps | None:
@@ -116,10 +134,12 @@ class NativeCpuOps:
         """Normalised x (after `residual += x` in place when a residual is given)."""
         t, h = x.shape
         out = torch.empty_like(x)
-        self.lib.tv_rms_norm(
-            x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
-            _DTYPE_CODES[x.dtype], t, h, eps,
-        )  # fmt: skip
+        args = (x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+                _DTYPE_CODES[x.dtype], t, h, eps)  # fmt: skip
+        if self._rows(x):
+            self.lib.tv_rows_rms_norm(*args, self.num_threads)
+        else:
+            self.lib.tv_rms_norm(*args)
         return out
 
     def head_norm_(self, x: torch.Tensor, head_dim: int, weight: torch.Tensor, eps: float) -> None:
@@ -136,6 +156,13 @@ class NativeCpuOps:
         return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._rows(x):
+            t, d2 = x.shape
+            out = torch.empty((t, d2 // 2), dtype=x.dtype)
+            self.lib.tv_rows_silu_mul(
+                x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], t, d2 // 2, self.num_threads
+            )
+            return out
         return self._gated(self.lib.tv_silu_mul, x)
 
     def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,11 +179,15 @@ class NativeCpuOps:
         sin: torch.Tensor,
     ) -> None:
         """Rotate q [T, Hq * D] and k [T, Hkv * D] in place (rows may be strided views)."""
-        self.lib.tv_rope(
+        args = (
             q.data_ptr(), q.stride(0), q.shape[1] // head_dim, k.data_ptr(), k.stride(0),
             k.shape[1] // head_dim, _DTYPE_CODES[q.dtype], q.shape[0], head_dim, rotary_dim,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         )  # fmt: skip
+        if self._rows(q):
+            self.lib.tv_rows_rope(*args, self.num_threads)
+        else:
+            self.lib.tv_rope(*args)
 
     # ---- paged KV -------------------------------------------------------------------------
     def store_kv(

@@ -16,7 +16,7 @@ class SiluAndMul(nn.Module):
     native: NativeCpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and elementwise_rows_fit(x) and x.is_contiguous():
+        if self.native is not None and self.native.elementwise_fits(x) and x.is_contiguous():
             return self.native.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.models.layers.linear import default_weight_loader, new_parameter
-from tinyvllm.native.ops import NativeCpuOps, elementwise_rows_fit
+from tinyvllm.native.ops import NativeCpuOps
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if (
             self.native is not None
-            and elementwise_rows_fit(x)
+            and self.native.elementwise_fits(x)
             and x.is_contiguous()
             and self.weight.dtype == x.dtype
             and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinyvllm.native.ops import NativeCpuOps, elementwise_rows_fit
+from tinyvllm.native.ops import NativeCpuOps
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ class RotaryEmbedding(nn.Module):
         native = self.native
         if (
             native is not None
-            and elementwise_rows_fit(q)
+            and native.elementwise_fits(q)
             and q.dtype == k.dtype
             and k.stride(1) == 1
             and positions.dtype == torch.int64
