@@ -192,3 +192,30 @@ def test_encoder_attention_takes_4d_operands(llm: LLM, monkeypatch: pytest.Monke
     with torch.no_grad():
         tower.encode(hf_features(random_audio(0.2, seed=9))[0, :, :16], tower.new_state())
     assert ranks and set(ranks) == {4}
+
+
+def test_live_stream_encoder_takes_the_native_gemv(
+    vox_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live stream encodes one position (a few frames) per step, inside a native decode
+    step where torch runs one thread: every encoder and projector linear takes the native
+    GEMV (the conv embedder's transposed output once made all of them fall back to torch)."""
+    llm = make_llm(vox_dir, enforce_eager=False)
+    tower = llm.engine.runner.model.audio_tower
+    linears = [m for m in tower.modules() if isinstance(m, torch.nn.Linear)]
+    native = linears[0].native
+    if native is None:
+        pytest.skip("no native CPU kernels on this machine")
+    assert all(m.native is native for m in linears)
+    seen: set[int] = set()
+    real = native.linear
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.add(weight.data_ptr())
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(native, "linear", spy)
+    mel = hf_features(random_audio(0.2, seed=9))[0, :, : tower.mel_frames_per_position]
+    with torch.no_grad():
+        tower.encode(mel, tower.new_state())
+    assert seen == {m.weight.data_ptr() for m in linears}
