@@ -3,7 +3,7 @@
 Single-stream (1 x 32 -> N) and batch-16 (16 x 32 -> N) greedy decode on the random
 SmolLM2-135M-shaped model of `throughput.py`, quiet and then with 1 and 2 competing CPU-bound
 processes (busy loops this script starts and kills), for tinyvllm through `LLM.generate` and
-through `AsyncLLM` (same process, one engine each), and for llama.cpp when `llama_cpp` is
+through `AsyncLLM.generate` (same process, one engine each), and for llama.cpp when `llama_cpp` is
 importable and `--gguf` names the checkpoint's GGUF. Rounds interleave every (engine, load)
 cell so drift on a shared box hits all alike; a cell reports its best round and the ratio to
 the same engine's quiet best. Usage: see benchmarks/README.md.
@@ -12,6 +12,7 @@ the same engine's quiet best. Usage: see benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -123,13 +124,24 @@ def tinyvllm_runners(
     if "async" in modes:
         allm = AsyncLLM(str(model_dir), **engine_kwargs)
 
+        async def last_length(prompt: list[int], sp: Any) -> int:
+            last = None
+            async for out in allm.generate({"prompt_token_ids": prompt}, sp):
+                last = out
+            assert last is not None
+            return len(last.outputs[0].token_ids)  # cumulative
+
+        async def submit_all(wl: Workload) -> list[int]:
+            # AsyncLLM's own API, as a server drives it: every request is posted before the
+            # engine's next step. (The blocking `stream()` waits for the engine to accept each
+            # request, up to one step, so N of them submitted from one thread arrive over N
+            # steps and batch 16 runs at ~0.7x.)
+            pairs = zip(wl.prompts, params(wl), strict=True)
+            return list(await asyncio.gather(*(last_length(p, sp) for p, sp in pairs)))
+
         def run_async(wl: Workload) -> float:
             start = time.perf_counter()
-            streams = [
-                allm.stream({"prompt_token_ids": p}, sp)
-                for p, sp in zip(wl.prompts, params(wl), strict=True)
-            ]
-            got = [len(list(s)[-1].outputs[0].token_ids) for s in streams]  # cumulative
+            got = asyncio.run(submit_all(wl))
             wall = time.perf_counter() - start
             if got != wl.max_tokens:
                 raise RuntimeError(f"AsyncLLM {wl.key}: output lengths {got}")

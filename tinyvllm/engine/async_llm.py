@@ -235,8 +235,11 @@ class AsyncLLM:
     ) -> RequestStream:
         """The blocking twin of `generate` for threads: returns an iterator of RequestOutputs.
 
-        Submits at once, so a bad prompt raises ValueError here. `timeout` bounds the wait for
-        each output (TimeoutError, and the request is aborted). Do not call it on an event loop.
+        Submits at once, so a bad prompt raises ValueError here: it waits for the engine to
+        accept the request, up to one step, so many requests submitted one after another from
+        one thread join the batch one step apart (use `generate` from an event loop to submit
+        a batch at once). `timeout` bounds the wait for each output (TimeoutError, and the
+        request is aborted). Do not call it on an event loop.
         """
         outputs: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
         sink = Sink(new_request_id(request_id), outputs.put)
