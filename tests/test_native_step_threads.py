@@ -118,3 +118,30 @@ def test_long_steps_compare_per_token_within_a_power_of_two() -> None:
     assert choice.choose(500) == 1  # same bucket (512), alone not measured yet
     choice.record(500, 250e6)  # alone: 0.5 ms per token
     assert choice.choose(400) == 1
+
+
+def test_long_torch_steps_follow_the_decode_steps_choice() -> None:
+    """A long torch step (a prefill chunk, a video's vision tower) never tries one thread on
+    its own: on a quiet machine that trial doubled a 2k-token video prefill. It runs on the
+    count the decode steps' cheap trials measure best."""
+    from tinyvllm.platforms.cpu import CpuPlatform
+
+    native = NativeCpuOps.load()
+    if native is None or torch.get_num_threads() < 2:
+        pytest.skip("needs the native library and two torch threads")
+    platform = CpuPlatform(torch.device("cpu"), torch.float32, native)
+    full = platform.torch_threads.threads
+
+    def threads_of_long_steps(count: int) -> list[int]:
+        seen = []
+        for _ in range(count):
+            with platform.torch_step(2048):
+                seen.append(torch.get_num_threads())
+        return seen
+
+    assert threads_of_long_steps(4) == [full] * 4  # quiet so far: all threads, no trial
+    native.step_threads.prefers_alone = True  # decode steps found a core taken
+    assert threads_of_long_steps(2) == [1, 1]
+    native.step_threads.prefers_alone = False
+    assert threads_of_long_steps(1) == [full]
+    assert torch.get_num_threads() == full

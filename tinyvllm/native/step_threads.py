@@ -25,6 +25,9 @@ _SMOOTHING = 0.25
 # Steps of up to this many tokens keep estimates of their own (decode batches); longer ones
 # (prefill chunks) share one per power of two, compared per token.
 _EXACT_TOKENS = 64
+# Steps longer than this run on torch with the thread count the decode steps measure best
+# (see CpuPlatform.torch_step): trying both ways there costs too much.
+LONG_STEP_TOKENS = _EXACT_TOKENS
 
 
 def _bucket(num_tokens: int) -> int:
@@ -46,6 +49,9 @@ class StepThreadChoice:
     since_trial: int = 0
     alone: bool = False  # the mode of the step in progress
     trial: bool = False  # the step in progress tries the mode that is not the best
+    # The best mode at the last step whose bucket had both estimates (trials aside): whether
+    # another program holds a core right now, as far as these steps can tell.
+    prefers_alone: bool = False
 
     def choose(self, num_tokens: int) -> int:
         """Threads for the next step of `num_tokens` tokens; call `record` when it is done."""
@@ -57,6 +63,7 @@ class StepThreadChoice:
             self.alone, self.trial = together is not None, False
         else:
             best = alone < together
+            self.prefers_alone = best
             self.since_trial += 1
             self.trial = self.since_trial >= self.interval
             if self.trial:

@@ -18,7 +18,7 @@ from tinyvllm.models.layers.linear import Fp32CopyBudget, attach_fp32_gemm_weigh
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
-from tinyvllm.native.step_threads import StepThreadChoice
+from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
 from tinyvllm.platforms.interface import Platform
 from tinyvllm.utils.cpu import (
     FP32_GEMM_MIN_ROWS,
@@ -69,6 +69,15 @@ class CpuPlatform(Platform):
 
     @contextlib.contextmanager
     def torch_step(self, num_tokens: int) -> Iterator[None]:
+        if num_tokens > LONG_STEP_TOKENS and self.native is not None:
+            # A long step (a prefill chunk, a vision tower over a video) is too dear to try
+            # both ways: one trial on one thread costs seconds on a quiet machine (a 2k-token
+            # video prefill: 2x). The decode steps' cheap trials already tell whether another
+            # program holds a core; follow them.
+            alone = self.native.step_threads.prefers_alone
+            with torch_intra_op_threads(1 if alone else self.torch_threads.threads):
+                yield
+            return
         threads = self.torch_threads.choose(num_tokens)
         start = time.perf_counter_ns()
         try:
