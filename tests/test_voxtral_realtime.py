@@ -202,7 +202,10 @@ def test_live_stream_encoder_takes_the_native_gemv(
     GEMV (the conv embedder's transposed output once made all of them fall back to torch)."""
     llm = make_llm(vox_dir, enforce_eager=False)
     tower = llm.engine.runner.model.audio_tower
-    linears = [m for m in tower.modules() if isinstance(m, torch.nn.Linear)]
+    from tinyvllm.models.layers.linear import LinearBase
+
+    linears = [m for m in tower.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 7 * len(tower.layers) + 2
     native = linears[0].native
     if native is None:
         pytest.skip("no native CPU kernels on this machine")

@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,15 @@ def check_config_values(config: Any, origin: str, describe: Callable[[str], str]
             raise bad(name, "must be a number", value)
         if not math.isfinite(value) or value <= 0:
             raise bad(name, "must be a finite positive number", value)
+
+
+def check_renamed_checkpoint(
+    config: Any, directory: TensorDirectory, rename: Callable[[str], str]
+) -> None:
+    """`check_against_checkpoint` on tensor names mapped through `rename` first: multimodal
+    checkpoints nest the language model under prefixes of their own."""
+    shapes = {rename(name): shape for name, shape in directory.shapes.items()}
+    check_against_checkpoint(config, replace(directory, shapes=shapes))
 
 
 def check_against_checkpoint(

@@ -12,7 +12,6 @@ Checkpoint names: `[model.]language_model.*`, `[model.]vision_tower[.vision_mode
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.attention.backend import AttentionMetadata
-from tinyvllm.models.checkpoint_check import TensorDirectory, check_against_checkpoint
+from tinyvllm.models.checkpoint_check import TensorDirectory, check_renamed_checkpoint
 from tinyvllm.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
 from tinyvllm.models.layers.norm import OffsetRMSNorm
 from tinyvllm.models.llama import FamilyOptions, LlamaModel
@@ -193,8 +192,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         """The language model's sizes against its tensors, under the canonical names."""
         from tinyvllm.models.checkpoint import lift_text_config
 
-        shapes = {_canonical_name(name): shape for name, shape in directory.shapes.items()}
-        check_against_checkpoint(lift_text_config(config), replace(directory, shapes=shapes))
+        check_renamed_checkpoint(lift_text_config(config), directory, _canonical_name)
 
     def build_language_model(
         self, config: Any, max_model_len: int, quant_config: QuantConfig | None

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.attention.backend import AttentionMetadata
-from tinyvllm.models.checkpoint_check import TensorDirectory, check_against_checkpoint
+from tinyvllm.models.checkpoint_check import TensorDirectory, check_renamed_checkpoint
 from tinyvllm.models.llama import FamilyOptions, LlamaForCausalLM, LlamaModel
 from tinyvllm.models.voxtral_realtime_encoder import VoxtralRealtimeAudioTower
 from tinyvllm.models.weights import load_language_and_towers
@@ -77,8 +76,7 @@ class VoxtralRealtimeForConditionalGeneration(LlamaForCausalLM):
         """The language model's sizes against its tensors, under the canonical names."""
         from tinyvllm.models.checkpoint import lift_text_config
 
-        shapes = {_canonical_name(name): shape for name, shape in directory.shapes.items()}
-        check_against_checkpoint(lift_text_config(config), replace(directory, shapes=shapes))
+        check_renamed_checkpoint(lift_text_config(config), directory, _canonical_name)
 
     def build_language_model(
         self, config: Any, max_model_len: int, quant_config: QuantConfig | None

@@ -17,14 +17,13 @@ Module and parameter names follow the HF checkpoint (`audio_tower.*`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from tinyvllm.native.ops import NativeCpuOps
+from tinyvllm.models.layers.linear import ReplicatedLinear
 
 
 class _RMSNorm(nn.Module):
@@ -41,21 +40,6 @@ class _RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class _Linear(nn.Linear):
-    """nn.Linear whose decode-sized inputs take the native GEMV (set by the runner, like the
-    decoder's layers). A live stream encodes one position (a few frames) per step inside a
-    native decode step, where torch runs on one thread: its GEMM then streams the encoder's
-    weights at half the native kernel's rate."""
-
-    native: NativeCpuOps | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if self.native is not None and self.native.can_linear(flat, self.weight):
-            return self.native.linear(flat, self.weight, self.bias).view(*x.shape[:-1], -1)
-        return super().forward(x)
-
-
 class _Embedder(nn.Module):
     def __init__(self, mel_bins: int, hidden: int) -> None:
         super().__init__()
@@ -67,18 +51,18 @@ class _Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
-        self.q_proj = _Linear(hidden, heads * head_dim)
-        self.k_proj = _Linear(hidden, heads * head_dim, bias=False)
-        self.v_proj = _Linear(hidden, heads * head_dim)
-        self.o_proj = _Linear(heads * head_dim, hidden)
+        self.q_proj = ReplicatedLinear(hidden, heads * head_dim, True)
+        self.k_proj = ReplicatedLinear(hidden, heads * head_dim, False)
+        self.v_proj = ReplicatedLinear(hidden, heads * head_dim, True)
+        self.o_proj = ReplicatedLinear(heads * head_dim, hidden, True)
 
 
 class _MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = _Linear(hidden, intermediate, bias=False)
-        self.up_proj = _Linear(hidden, intermediate, bias=False)
-        self.down_proj = _Linear(intermediate, hidden)
+        self.gate_proj = ReplicatedLinear(hidden, intermediate, False)
+        self.up_proj = ReplicatedLinear(hidden, intermediate, False)
+        self.down_proj = ReplicatedLinear(intermediate, hidden, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -123,8 +107,10 @@ class VoxtralRealtimeAudioTower(nn.Module):
         self.embedder = _Embedder(audio.num_mel_bins, audio.hidden_size)
         self.layers = nn.ModuleList(_Layer(audio) for _ in range(audio.num_hidden_layers))
         self.norm = _RMSNorm(audio.hidden_size, audio.rms_norm_eps)
-        self.linear_1 = _Linear(audio.hidden_size * self.downsample, text.hidden_size, False)
-        self.linear_2 = _Linear(text.hidden_size, text.hidden_size, bias=False)
+        self.linear_1 = ReplicatedLinear(
+            audio.hidden_size * self.downsample, text.hidden_size, False
+        )
+        self.linear_2 = ReplicatedLinear(text.hidden_size, text.hidden_size, False)
         theta = float(audio.rope_parameters["rope_theta"])
         dim = audio.head_dim
         self.register_buffer(

@@ -115,8 +115,12 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)
-        if self.native is not None and self.native.can_linear(x, self.weight):
-            return self.native.linear(x, self.weight, self.bias)
+        if self.native is not None:
+            # Leading dims flattened: an encoder's [streams, frames, hidden] chunk is rows too.
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if self.native.can_linear(rows, self.weight):
+                out = self.native.linear(rows, self.weight, self.bias)
+                return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
         if self.gemm_min_rows and x.shape[0] >= self.gemm_min_rows and self._fp32_copy():
             return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
