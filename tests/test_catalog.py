@@ -722,7 +722,7 @@ def test_python_api_gets_the_cli_sentences_for_typos_and_missing_gguf_files(
 
 def test_catalog_and_chat_import_neither_torch_nor_textual() -> None:
     code = (
-        "import sys, tinyvllm.catalog, tinyvllm.chat, tinyvllm.chat.repl, "
+        "import sys, tinyvllm.catalog, tinyvllm.chat, tinyvllm.chat.repl, tinyvllm.chat.terminal, "
         "tinyvllm.catalog.listing; "
         "bad = {'torch', 'textual'} & set(sys.modules); assert not bad, bad"
     )

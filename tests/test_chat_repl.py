@@ -19,7 +19,8 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.chat import ChatSession
-from tinyvllm.chat.repl import Repl, run_chat, run_piped
+from tinyvllm.chat.repl import Repl
+from tinyvllm.chat.terminal import run_chat, run_piped
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.gguf.bundled import smollm2_gguf_path
 from tinyvllm.utils.dirs import native_cache_dir, packages_dir

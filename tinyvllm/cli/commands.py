@@ -26,7 +26,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from tinyvllm.chat.defaults import default_chat_params
-    from tinyvllm.chat.repl import run_chat
+    from tinyvllm.chat.terminal import run_chat
 
     # Flags left out take the model's generation_config values, known only after the load;
     # bad ones fail now, before it.
