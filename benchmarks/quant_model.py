@@ -25,8 +25,9 @@ from torch import nn
 
 from tinyvllm.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
 from tinyvllm.gguf.bundled import smollm2_gguf_path
-from tinyvllm.gguf.config import gguf_to_hf_config, load_gguf_tokenizer
+from tinyvllm.gguf.config import gguf_to_hf_config
 from tinyvllm.gguf.reader import GGUFFile, read_gguf
+from tinyvllm.gguf.tokenizer_cache import load_gguf_tokenizer
 from tinyvllm.gguf.weights import iter_gguf_weights
 from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
 from tinyvllm.models.registry import get_model_class

@@ -16,10 +16,11 @@ from gguf_writer import write_tiny_gguf
 from transformers import AutoConfig, AutoTokenizer
 
 from tinyvllm import LLM
-from tinyvllm.gguf.config import load_gguf_config, load_gguf_tokenizer
+from tinyvllm.gguf.config import load_gguf_config
 from tinyvllm.gguf.dequant import dequantize, q4_blocks, q8_blocks
 from tinyvllm.gguf.paths import resolve_gguf_path
 from tinyvllm.gguf.reader import read_gguf
+from tinyvllm.gguf.tokenizer_cache import load_gguf_tokenizer
 from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.gguf.weights import hf_tensor_name, iter_gguf_weights, unpermute_rows
 from tinyvllm.models.layers.rotary import RopeConfig, compute_inv_freq

@@ -186,7 +186,7 @@ def test_cached_tokenizer_equals_the_rebuilt_one(
     path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Start-up reloads the tokenizer saved after the first (slow) GGUF conversion."""
-    from tinyvllm.gguf.config import load_gguf_tokenizer, tokenizer_cache_dir
+    from tinyvllm.gguf.tokenizer_cache import load_gguf_tokenizer, tokenizer_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     rebuilt = load_gguf_tokenizer(path)  # builds and saves

@@ -20,9 +20,10 @@ from transformers import AutoTokenizer
 
 import tinyvllm.gguf.config as gguf_config
 from tinyvllm.gguf.bundled import catalog_gguf_path, smollm2_gguf_path
-from tinyvllm.gguf.config import load_gguf_config, load_gguf_tokenizer, tokenizer_cache_dir
+from tinyvllm.gguf.config import load_gguf_config
 from tinyvllm.gguf.model_config import GGUFGemma3Config, GGUFModelConfig
 from tinyvllm.gguf.tokenizer import BACKEND_FILE, SNAPSHOT_FILE, SnapshotTokenizer
+from tinyvllm.gguf.tokenizer_cache import load_gguf_tokenizer, tokenizer_cache_dir
 from tinyvllm.utils import chat_template as chat_template_module
 
 FAMILIES = ("llama", "qwen2", "qwen3")

@@ -242,7 +242,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     from tinyvllm.gguf.reader import is_gguf_file
 
     if is_gguf_file(name):
-        from tinyvllm.gguf.config import load_gguf_tokenizer
+        from tinyvllm.gguf.tokenizer_cache import load_gguf_tokenizer
 
         return load_gguf_tokenizer(name)
     from transformers import AutoTokenizer

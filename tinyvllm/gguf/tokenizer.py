@@ -1,11 +1,11 @@
 """A GGUF model's tokenizer, reloaded without transformers.
 
 transformers converts a GGUF vocabulary into a fast tokenizer once (see
-`gguf.config.load_gguf_tokenizer`); importing transformers to reload that conversion costs more
-than loading the model. So next to the converted tokenizer we save a snapshot of what the loaded
-transformers tokenizer *is*: its `tokenizers` backend as transformers left it (post-processor,
-added tokens and all), its special tokens and its chat template. `SnapshotTokenizer` answers
-from that snapshot with the `tokenizers` library alone, giving transformers' results by
+`gguf.tokenizer_cache.load_gguf_tokenizer`); importing transformers to reload that conversion
+costs more than loading the model. So next to the converted tokenizer we save a snapshot of what
+the loaded transformers tokenizer *is*: its `tokenizers` backend as transformers left it (post-
+processor, added tokens and all), its special tokens and its chat template. `SnapshotTokenizer`
+answers from that snapshot with the `tokenizers` library alone, giving transformers' results by
 construction: encode and decode are the backend's own calls, as in transformers'
 `TokenizersBackend`. A tokenizer class that changes encoding or decoding in Python gets no
 snapshot and keeps loading through transformers.
