@@ -10,13 +10,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     apply_rotary_pos_emb_vision,
 )
 
-from tinyvllm.models.qwen2_5_vl_vision import (
-    Qwen2_5_VisionTransformer,
-    rotate_qk,
-    row_chunks,
-    varlen_attention,
-    vision_layout,
-)
+from tinyvllm.models.qwen2_5_vl_layout import row_chunks, varlen_attention, vision_layout
+from tinyvllm.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer, rotate_qk
 
 PATCH = 14
 
