@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-# vLLM's CPU backend reserves this much KV cache (GiB); 1024-token contexts x 64 sequences of
-# the 30-layer model need about 0.7 GiB in fp32, so 2 leaves room without crowding the box.
+# vLLM's CPU backend reserves this much KV cache (GiB) up front. (d) keeps up to ~37k tokens
+# resident (64 requests x ~576), 46 KiB each in fp32 for the 30-layer model: ~1.7 GiB.
 KV_CACHE_GIB = 2
 
 
@@ -103,24 +103,25 @@ def run_vllm_peer(
 
 
 # ---- child side: runs under the vLLM interpreter ----------------------------------------------
-def _process_tree_hwm_mib() -> float:
-    """Sum of the peak RSS (VmHWM) of this process and its descendants (vLLM's engine core).
+def _process_tree_hwm_mib() -> dict[str, float]:
+    """Peak RSS (VmHWM) of this process and of each descendant (engine core, worker).
 
-    A sum of peaks is an upper bound on the tree's simultaneous peak; it is read before the
-    engine shuts down, while its processes still exist.
+    Read before the engine shuts down, while its processes still exist. Their sum is an
+    upper bound on the tree's simultaneous peak.
     """
     import psutil  # a vLLM dependency
 
-    total_kib = 0
+    peaks: dict[str, float] = {}
     for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
             status = Path(f"/proc/{proc.pid}/status").read_text()
-        except OSError:
+            name = proc.name()
+        except (OSError, psutil.Error):
             continue
         for line in status.splitlines():
             if line.startswith("VmHWM:"):
-                total_kib += int(line.split()[1])
-    return total_kib / 1024
+                peaks[f"{name}[{proc.pid}]"] = int(line.split()[1]) / 1024
+    return peaks
 
 
 def _generate(llm: Any, params_cls: Any, wl: dict[str, Any]) -> tuple[float, list[Any]]:
@@ -168,12 +169,15 @@ def child_main(spec_path: Path, out_path: Path) -> int:
             "outputs": tokens,
         }
         print(f"  vLLM ({wl['key']}): {wl['counted_tokens'] / wall:,.1f} tok/s", flush=True)
-    result["peak_rss_mib"] = _process_tree_hwm_mib()
-    result["notes"].append(
-        f"vllm {result['version']} in {sys.executable}; import vllm {import_s:.1f} s (not in "
-        f"start-up); peak RSS is the sum of VmHWM over its "
-        "processes (front end + engine core)"
-    )
+    peaks = _process_tree_hwm_mib()
+    result["peak_rss_mib"] = sum(peaks.values())
+    each = ", ".join(f"{name} {mib:,.0f}" for name, mib in peaks.items())
+    result["notes"] += [
+        f"vllm {result['version']} in {sys.executable}; `import vllm` took {import_s:.1f} s "
+        "(not in start-up)",
+        f"peak RSS is the sum of VmHWM over vLLM's processes, MiB: {each}; it includes the "
+        f"{os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB KV cache reserved up front",
+    ]
     out_path.write_text(json.dumps(result))
     return 0
 
