@@ -71,9 +71,10 @@ def check(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, blocks: torch.
     """fp32 rounding of the per-block products and sums: relative to sum |terms|."""
     k = x.shape[1]
     q, dw, mw = split_blocks(fmt, blocks, k)
-    mag = x.float().abs() @ (dw.abs()[..., None] * q.abs() + mw.abs()[..., None]).reshape(
-        q.shape[0], k
-    ).t()
+    mag = (
+        x.float().abs()
+        @ (dw.abs()[..., None] * q.abs() + mw.abs()[..., None]).reshape(q.shape[0], k).t()
+    )
     bound = 2e-6 * mag + 1e-7
     if got.dtype == torch.bfloat16:
         bound = bound + want.abs() * 2.0**-8
