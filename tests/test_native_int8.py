@@ -178,3 +178,14 @@ def test_engine_refuses_int8_activations_without_gguf_blocks(tiny_models: object
 
     with pytest.raises(ValueError, match="int8_activations=True needs quantized GGUF weights"):
         LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64, int8_activations=True)
+
+
+def test_cli_flag_reaches_the_engine_arguments() -> None:
+    import argparse
+
+    from tinyvllm.cli.common import add_engine_args, cli_engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert cli_engine_kwargs(p.parse_args(["--int8-activations"]))["int8_activations"] is True
+    assert "int8_activations" not in cli_engine_kwargs(p.parse_args([]))
