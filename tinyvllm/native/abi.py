@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -32,6 +32,10 @@ FORMAT_Q8_0 = 4
 FORMAT_Q4_K = 5
 FORMAT_Q6_K = 6
 FORMAT_Q5_0 = 7
+
+# Or-ed into a Q4_0 / Q4_1 / Q8_0 code: GEMVs round their activations to int8 per block of 32
+# (int8_kernels.cpp, opt-in `int8_activations`; not exact) where the CPU has AVX512-VNNI.
+FORMAT_INT8_ACT = 0x100
 
 DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(
     {torch.float32: FORMAT_F32, torch.bfloat16: FORMAT_BF16}
@@ -170,6 +174,8 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_pool_govern": (None, (_I,)),
         # avx512_kernels.cpp
         "tv_set_isa": (c_int, (_I,)),
+        # int8_kernels.cpp
+        "tv_int8_act_supported": (c_int, (_I,)),
     }
 )
 

@@ -13,7 +13,7 @@
 
 // The ABI this source tree exports (tinyvllm/native/abi.py declares it for ctypes: signatures,
 // struct layouts, codes). Bump both together on any change the Python side must follow.
-#define TV_ABI_VERSION 6
+#define TV_ABI_VERSION 7
 
 namespace tv {
 
@@ -41,6 +41,15 @@ using BlockRowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*
                              int64_t, int64_t, float*);
 // The AVX-512 kernel for a format code and M (1..8), or null where only AVX2 has one.
 BlockRowsFn block_rows_avx512(int fmt, int M);
+
+// Opt-in int8-activation GEMVs (int8_kernels.cpp): a GGUF format code with this bit set asks
+// tv_linear_any / tv_linear_blocks for them; formats or CPUs they do not cover (no
+// AVX512-VNNI, formats other than Q4_0 / Q4_1 / Q8_0) take the exact kernel instead.
+constexpr int kFmtInt8Act = 0x100;
+bool int8_act_supported(int fmt);
+// Same contract as tv_linear_blocks for a format int8_act_supported() accepts.
+void linear_blocks_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
+                        int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
 
 template <class F>
 void parallel_for(int64_t n, int nthreads, F&& f) {

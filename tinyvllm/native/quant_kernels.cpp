@@ -366,9 +366,16 @@ extern "C" {
 
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for a GGUF block matrix w (codes 2..7), any
 // M (passes of up to 8 rows); x, out contiguous [M][K] / [M][N] in x_dt. K must be a whole
-// number of blocks.
+// number of blocks. A code with kFmtInt8Act (0x100) set opts into the int8-activation kernels
+// where this CPU and format have them (int8_kernels.cpp; not exact), else runs this one.
 void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
                       int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads) {
+  if (w_fmt & kFmtInt8Act) {
+    w_fmt &= ~kFmtInt8Act;
+    if (int8_act_supported(w_fmt))
+      return linear_blocks_int8(x, x_dt, static_cast<const uint8_t*>(w), w_fmt, bias, b_dt, out,
+                                M, N, K, nthreads);
+  }
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
   const int64_t row_bytes = K / elems * bytes, groups = K / 32;
@@ -435,6 +442,7 @@ void tv_linear_any(const void* x, int x_dt, const void* w, int w_fmt, const void
 // dequantizes slabs of rows and runs a GEMM on them).
 void tv_dequant_rows(const void* w, int w_fmt, int64_t K, int64_t row0, int64_t row1,
                      float* out, int nthreads) {
+  w_fmt &= ~kFmtInt8Act;  // the flag asks for other GEMVs only
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
   const int64_t row_bytes = K / elems * bytes;
@@ -451,6 +459,7 @@ void tv_dequant_rows(const void* w, int w_fmt, int64_t K, int64_t row0, int64_t 
 // in out_dt (one rounding, as casting the fp32 dequantized table would give).
 void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, int64_t K,
                       void* out, int out_dt) {
+  w_fmt &= ~kFmtInt8Act;
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
   float* row = static_cast<float*>(checked_aligned_alloc(K * 4));

@@ -13,7 +13,7 @@ import ctypes
 import torch
 
 from tinyvllm.native.abi import DTYPE_CODES as _DTYPE_FORMATS
-from tinyvllm.native.abi import FORMAT_BF16, FORMAT_F32
+from tinyvllm.native.abi import FORMAT_BF16, FORMAT_F32, FORMAT_INT8_ACT
 from tinyvllm.native.build import load_library
 from tinyvllm.utils.cpu import native_threads
 
@@ -55,9 +55,12 @@ class QuantKernels:
 
         `weight` is dense [N, K] for codes 0/1 or uint8 blocks [N, bytes per row]. Up to
         `GEMV_MAX_ROWS` rows (and any dense weight) take the GEMV, more a GEMM on dequantized
-        slabs.
+        slabs. A block code or-ed with `FORMAT_INT8_ACT` runs the opt-in int8-activation GEMV
+        where this CPU has it (`int8_activations_supported`); the GEMM path stays exact.
         """
         if x.shape[0] > GEMV_MAX_ROWS and fmt not in (FORMAT_F32, FORMAT_BF16):
+            # The GEMM path is exact whatever the code asks of the GEMVs.
+            fmt &= ~FORMAT_INT8_ACT
             return self.dense_linear(x, fmt, weight, out_features, bias)
         return self.gemv(x, fmt, weight, out_features, bias)
 
@@ -82,6 +85,11 @@ class QuantKernels:
             k, self.num_threads,
         )  # fmt: skip
         return out
+
+    def int8_activations_supported(self, fmt: int) -> bool:
+        """Whether GEMVs over format `fmt` with `FORMAT_INT8_ACT` run the int8-activation
+        kernel here (AVX512-VNNI, Q4_0 / Q4_1 / Q8_0) rather than the exact one."""
+        return bool(self.lib.tv_int8_act_supported(fmt & ~FORMAT_INT8_ACT))
 
     def dequantize_rows(
         self, fmt: int, weight: torch.Tensor, in_features: int, start: int, stop: int

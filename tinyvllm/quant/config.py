@@ -40,12 +40,21 @@ class QuantConfig:
     group_size: int = 32
     # Never requantize: keep GGUF blocks the kernels read, else dequantize to the model dtype.
     exact: bool = False
+    # Opt-in, not exact: decode GEMVs over Q4_0 / Q4_1 / Q8_0 blocks round their activations
+    # to int8 per block of 32 (llama.cpp's arithmetic, AVX512-VNNI CPUs; elsewhere the exact
+    # kernels run). See EngineArgs.int8_activations.
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
             raise ValueError(
                 f"quantization method {self.method!r} is not supported; choose one of "
                 f"{', '.join(QUANT_METHODS)}"
+            )
+        if self.int8_activations and self.method != "gguf":
+            raise ValueError(
+                f"int8_activations needs quantization='gguf' (GGUF block weights), got "
+                f"{self.method!r}"
             )
         if self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(

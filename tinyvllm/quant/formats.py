@@ -19,7 +19,7 @@ from torch import nn
 from tinyvllm.gguf.dequant import Q8_0, Q8_0_SUBSETS, qtype_name, to_q8_0
 from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
 from tinyvllm.gguf.weight import GGUFWeight
-from tinyvllm.native.abi import GGUF_FORMATS, format_code
+from tinyvllm.native.abi import FORMAT_INT8_ACT, GGUF_FORMATS, format_code
 from tinyvllm.native.ops import max_linear_rows
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.quant import kernels
@@ -133,6 +133,9 @@ class GGUFBlocks(PackedWeight):
         self.kernels = spec.kernels
         self.qtype = qtype
         self.code = GGUF_FORMATS[qtype]
+        # The code GEMVs run with: flagged for the opt-in int8-activation kernels (the native
+        # side falls back to the exact kernel for formats or CPUs they do not cover).
+        self.gemv_code = self.code | (FORMAT_INT8_ACT if spec.config.int8_activations else 0)
         self.register_buffer("qweight", blocks)
 
     @classmethod
@@ -159,7 +162,7 @@ class GGUFBlocks(PackedWeight):
         return cls(spec, data, Q8_0)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _native_linear(self.kernels, self.code, self.qweight, x, bias)
+        return _native_linear(self.kernels, self.gemv_code, self.qweight, x, bias)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         dtype = self.model_dtype if format_code(self.model_dtype) is not None else torch.float32
@@ -172,10 +175,11 @@ class GGUFBlocks(PackedWeight):
 
     @property
     def native_weight(self) -> tuple[int, torch.Tensor] | None:
-        return self.code, self.qweight
+        return self.gemv_code, self.qweight
 
     def extra_repr(self) -> str:
-        return f"{self.name} {qtype_name(self.qtype)}"
+        int8 = ", int8 activations" if self.gemv_code != self.code else ""
+        return f"{self.name} {qtype_name(self.qtype)}{int8}"
 
 
 class FloatRows(PackedWeight):
