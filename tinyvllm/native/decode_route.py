@@ -34,7 +34,11 @@ _EXACT_ROWS = 8
 class DecodeRoute:
     """Per step: the program (the choice's first way) or the layers (its second)."""
 
-    choice: MeasuredChoice = field(default_factory=lambda: MeasuredChoice(exact_tokens=_EXACT_ROWS))
+    # Two first samples per path and bucket: a layers step of a new row count pays oneDNN's
+    # kernel generation once.
+    choice: MeasuredChoice = field(
+        default_factory=lambda: MeasuredChoice(exact_tokens=_EXACT_ROWS, first_samples=2)
+    )
     # PROGRAM or LAYERS: every step takes that path (parity tests, benchmark comparisons).
     fixed: str | None = None
     pending: bool = False  # a step picked by `choice` is in progress and must be recorded

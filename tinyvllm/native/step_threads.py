@@ -48,8 +48,13 @@ class MeasuredChoice:
     # Steps of up to this many tokens keep estimates of their own; longer ones share one per
     # power of two, compared per token.
     exact_tokens: int = _EXACT_TOKENS
+    # Steps each way runs in a bucket before the choice compares them; all but the last are
+    # replaced by the next (a torch step of a new shape pays oneDNN's kernel generation once:
+    # 50 ms per token against 4 on the next step, which then lost to a trial for 100+ steps).
+    first_samples: int = 1
     # (token bucket, second) -> running estimate of a step's nanoseconds per token.
     estimates: dict[tuple[int, bool], float] = field(default_factory=dict)
+    samples: dict[tuple[int, bool], int] = field(default_factory=dict)
     interval: int = 8
     since_trial: int = 0
     second: bool = False  # the way of the step in progress
@@ -60,12 +65,11 @@ class MeasuredChoice:
     def pick(self, num_tokens: int) -> bool:
         """Whether the next step of `num_tokens` tokens runs the second way."""
         bucket = _bucket(num_tokens, self.exact_tokens)
-        first = self.estimates.get((bucket, False))
-        second = self.estimates.get((bucket, True))
-        if first is None or second is None:  # measure each way once first
-            self.second, self.trial = first is not None, False
+        first_done = self.samples.get((bucket, False), 0) >= self.first_samples
+        if not first_done or self.samples.get((bucket, True), 0) < self.first_samples:
+            self.second, self.trial = first_done, False  # measure each way first
         else:
-            best = second < first
+            best = self.estimates[(bucket, True)] < self.estimates[(bucket, False)]
             self.prefers_second = best
             self.since_trial += 1
             self.trial = self.since_trial >= self.interval
@@ -79,7 +83,9 @@ class MeasuredChoice:
         key = (_bucket(num_tokens, self.exact_tokens), self.second)
         per_token = elapsed_ns / max(1, num_tokens)
         old = self.estimates.get(key)
-        if old is None or self.trial:  # a trial replaces what may be a stale estimate
+        count = self.samples[key] = self.samples.get(key, 0) + 1
+        # A trial replaces what may be a stale estimate, a later first sample a warm-up one.
+        if old is None or self.trial or count <= self.first_samples:
             self.estimates[key] = per_token
         else:
             self.estimates[key] = old + _SMOOTHING * (per_token - old)

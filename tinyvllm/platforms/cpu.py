@@ -49,7 +49,9 @@ class CpuPlatform(Platform):
         self.name = "cpu" if native is None else "cpu_native"
         # torch's intra-op threads per torch-run step: all, or one when that measures faster
         # (another program on the cores makes every OpenMP region wait for its time slice).
-        self.torch_threads = StepThreadChoice(torch.get_num_threads(), max_interval=256)
+        self.torch_threads = StepThreadChoice(
+            torch.get_num_threads(), max_interval=256, first_samples=2
+        )
         # Program or layers per decode step (decode_route.py); set with a bf16 program on a
         # CPU with bf16 dot products, None elsewhere (every step the program supports).
         self.decode_route: DecodeRoute | None = None
