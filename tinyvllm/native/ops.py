@@ -106,14 +106,9 @@ class NativeCpuOps:
         route sends to the layers where torch's bf16 GEMM beats these GEMVs, see
         decode_route.py); norms, rope and attention keep their native kernels."""
         self.gemv_linears = False
-        # The step's native kernels (norms, rope, attention: small at these row counts) run on
-        # the calling thread: pool workers spinning between them would hold the cores that
-        # torch's OpenMP team needs for the next GEMM.
-        self.lib.tv_pool_govern(1)
         try:
             yield
         finally:
-            self.lib.tv_pool_govern(0)
             self.gemv_linears = True
 
     # ---- matmul ---------------------------------------------------------------------------
