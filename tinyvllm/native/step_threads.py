@@ -30,63 +30,102 @@ _EXACT_TOKENS = 64
 LONG_STEP_TOKENS = _EXACT_TOKENS
 
 
-def _bucket(num_tokens: int) -> int:
-    if num_tokens <= _EXACT_TOKENS:
+def _bucket(num_tokens: int, exact_tokens: int = _EXACT_TOKENS) -> int:
+    if num_tokens <= exact_tokens:
         return num_tokens
     return 1 << (num_tokens - 1).bit_length()
 
 
-@dataclass
-class StepThreadChoice:
-    """The thread count of each step for a pool of `threads` threads (1 or `threads`)."""
+@dataclass(kw_only=True)
+class MeasuredChoice:
+    """The faster of two ways to run a step (`second` False or True), per step size, by the
+    steps' measured wall time: each size bucket keeps a running estimate per way, a step runs
+    the way whose estimate is lower, and every `interval` steps one step tries the other.
+    Call `pick` before a step and `record` after it."""
 
-    threads: int
     min_interval: int = 8
     max_interval: int = 64
-    # (token bucket, alone) -> running estimate of a step's nanoseconds per token.
+    # Steps of up to this many tokens keep estimates of their own; longer ones share one per
+    # power of two, compared per token.
+    exact_tokens: int = _EXACT_TOKENS
+    # Steps each way runs in a bucket before the choice compares them; all but the last are
+    # replaced by the next (a torch step of a new shape pays oneDNN's kernel generation once:
+    # 50 ms per token against 4 on the next step, which then lost to a trial for 100+ steps).
+    first_samples: int = 1
+    # (token bucket, second) -> running estimate of a step's nanoseconds per token.
     estimates: dict[tuple[int, bool], float] = field(default_factory=dict)
+    samples: dict[tuple[int, bool], int] = field(default_factory=dict)
     interval: int = 8
     since_trial: int = 0
-    alone: bool = False  # the mode of the step in progress
-    trial: bool = False  # the step in progress tries the mode that is not the best
-    # The best mode at the last step whose bucket had both estimates (trials aside): whether
-    # another program holds a core right now, as far as these steps can tell.
-    prefers_alone: bool = False
+    second: bool = False  # the way of the step in progress
+    trial: bool = False  # the step in progress tries the way that is not the best
+    # The best way at the last step whose bucket had both estimates (trials aside).
+    prefers_second: bool = False
 
-    def choose(self, num_tokens: int) -> int:
-        """Threads for the next step of `num_tokens` tokens; call `record` when it is done."""
-        if self.threads <= 1:
-            return 1
-        together = self.estimates.get((_bucket(num_tokens), False))
-        alone = self.estimates.get((_bucket(num_tokens), True))
-        if together is None or alone is None:  # measure each mode once first
-            self.alone, self.trial = together is not None, False
+    def pick(self, num_tokens: int) -> bool:
+        """Whether the next step of `num_tokens` tokens runs the second way."""
+        bucket = _bucket(num_tokens, self.exact_tokens)
+        first_done = self.samples.get((bucket, False), 0) >= self.first_samples
+        if not first_done or self.samples.get((bucket, True), 0) < self.first_samples:
+            self.second, self.trial = first_done, False  # measure each way first
         else:
-            best = alone < together
-            self.prefers_alone = best
+            best = self.estimates[(bucket, True)] < self.estimates[(bucket, False)]
+            self.prefers_second = best
             self.since_trial += 1
             self.trial = self.since_trial >= self.interval
             if self.trial:
                 self.since_trial = 0
-            self.alone = best != self.trial
-        return 1 if self.alone else self.threads
+            self.second = best != self.trial
+        return self.second
 
     def record(self, num_tokens: int, elapsed_ns: float) -> None:
-        """The wall time of the step `choose` was last asked for."""
-        if self.threads <= 1:
-            return
-        key = (_bucket(num_tokens), self.alone)
+        """The wall time of the step `pick` was last asked for."""
+        key = (_bucket(num_tokens, self.exact_tokens), self.second)
         per_token = elapsed_ns / max(1, num_tokens)
         old = self.estimates.get(key)
-        if old is None or self.trial:  # a trial replaces what may be a stale estimate
+        count = self.samples[key] = self.samples.get(key, 0) + 1
+        # A trial replaces what may be a stale estimate, a later first sample a warm-up one.
+        if old is None or self.trial or count <= self.first_samples:
             self.estimates[key] = per_token
         else:
             self.estimates[key] = old + _SMOOTHING * (per_token - old)
         if self.trial:
-            other = self.estimates.get((key[0], not self.alone))
+            other = self.estimates.get((key[0], not self.second))
             if other is None or self.estimates[key] < other:
                 self.interval = self.min_interval
             else:  # back off by at least 2x, by the loss where it lost badly (a slow trial
                 # of torch's threads under load costs 40x a step alone)
                 loss = max(2.0, self.estimates[key] / other)
                 self.interval = min(int(self.interval * loss), self.max_interval)
+
+
+@dataclass
+class StepThreadChoice(MeasuredChoice):
+    """The thread count of each step for a pool of `threads` threads: all (the first way) or
+    the calling thread alone (the second)."""
+
+    threads: int
+
+    @property
+    def alone(self) -> bool:
+        """Whether the step in progress runs alone."""
+        return self.second
+
+    @property
+    def prefers_alone(self) -> bool:
+        """Whether another program holds a core right now, as far as these steps can tell."""
+        return self.prefers_second
+
+    @prefers_alone.setter
+    def prefers_alone(self, value: bool) -> None:
+        self.prefers_second = value
+
+    def choose(self, num_tokens: int) -> int:
+        """Threads for the next step of `num_tokens` tokens; call `record` when it is done."""
+        if self.threads <= 1:
+            return 1
+        return 1 if self.pick(num_tokens) else self.threads
+
+    def record(self, num_tokens: int, elapsed_ns: float) -> None:
+        if self.threads > 1:
+            super().record(num_tokens, elapsed_ns)

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from torch import nn
 from tinyvllm.attention.backend import AttentionBackend
 from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
 from tinyvllm.models.layers.linear import Fp32CopyBudget, attach_fp32_gemm_weights
+from tinyvllm.native.decode_route import DecodeRoute
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
@@ -49,7 +49,12 @@ class CpuPlatform(Platform):
         self.name = "cpu" if native is None else "cpu_native"
         # torch's intra-op threads per torch-run step: all, or one when that measures faster
         # (another program on the cores makes every OpenMP region wait for its time slice).
-        self.torch_threads = StepThreadChoice(torch.get_num_threads(), max_interval=256)
+        self.torch_threads = StepThreadChoice(
+            torch.get_num_threads(), max_interval=256, first_samples=2
+        )
+        # Program or layers per decode step (decode_route.py); set with a bf16 program on a
+        # CPU with bf16 dot products, None elsewhere (every step the program supports).
+        self.decode_route: DecodeRoute | None = None
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
         )
@@ -62,13 +67,43 @@ class CpuPlatform(Platform):
     def native_layer_ops(self) -> bool:
         return self.native is not None
 
-    def native_step(self, num_tokens: int) -> AbstractContextManager[None]:
+    def routes_to_program(self, num_tokens: int) -> bool:
+        route = self.decode_route
+        return route is None or route.takes_program(num_tokens)
+
+    @contextlib.contextmanager
+    def native_step(self, num_tokens: int) -> Iterator[None]:
         if self.native is None:
-            return contextlib.nullcontext()
-        return self.native.step(num_tokens)
+            yield
+            return
+        with self._routed(num_tokens), self.native.step(num_tokens):
+            yield
+
+    @contextlib.contextmanager
+    def _routed(self, num_tokens: int) -> Iterator[None]:
+        """Times a step the decode route picked (either path); other steps pass through."""
+        if self.decode_route is None:
+            yield
+            return
+        with self.decode_route.timed(num_tokens):
+            yield
 
     @contextlib.contextmanager
     def torch_step(self, num_tokens: int) -> Iterator[None]:
+        route = self.decode_route
+        if route is not None and route.take_layers_step():
+            # The route sent this decode step to the layers: their linears go to torch's
+            # GEMMs (the point of the route), timed against the program's steps.
+            assert self.native is not None
+            timed, gemms = self._routed(num_tokens), self.native.torch_gemms()
+            with timed, gemms, self._torch_threads(num_tokens):
+                yield
+            return
+        with self._torch_threads(num_tokens):
+            yield
+
+    @contextlib.contextmanager
+    def _torch_threads(self, num_tokens: int) -> Iterator[None]:
         if num_tokens > LONG_STEP_TOKENS and self.native is not None:
             # A long step (a prefill chunk, a vision tower over a video) is too dear to try
             # both ways: one trial on one thread costs seconds on a quiet machine (a 2k-token
@@ -109,4 +144,7 @@ class CpuPlatform(Platform):
         if self.native is None or build_plan is None:
             return None
         plan = build_plan()
-        return None if plan is None else LlamaDecodeProgram.build(plan, self.native)
+        program = None if plan is None else LlamaDecodeProgram.build(plan, self.native)
+        if program is not None and program.bf16_linears and has_native_bf16_matmul():
+            self.decode_route = DecodeRoute()
+        return program

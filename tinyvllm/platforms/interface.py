@@ -60,6 +60,11 @@ class Platform:
         count chosen per step there)."""
         return contextlib.nullcontext()
 
+    def routes_to_program(self, num_tokens: int) -> bool:
+        """Whether a step the decode program supports runs on it rather than on the model's
+        layers (asked once per such step, before `native_step` / `torch_step`)."""
+        return True
+
     def prepare_model(self, model: nn.Module) -> None:
         """Give a loaded model (target or draft) what this platform runs it with."""
 

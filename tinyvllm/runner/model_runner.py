@@ -108,6 +108,7 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.kv_caches: list[torch.Tensor] = []
         self.decode_program: LlamaDecodeProgram | None = None
+        self._program_step = False  # whether the step in progress runs on the program
         self.cuda_graphs: CudaGraphRunner | None = None
         self.speculator: Speculator | None = None
         self.sampler = Sampler()
@@ -163,9 +164,14 @@ class ModelRunner:
         program = self.decode_program
         num_tokens = sched.total_num_scheduled_tokens
         if program is not None:
-            native_step = program.supports(num_tokens)
+            # Where torch's bf16 GEMMs are fast the platform may send a step the program
+            # supports to the layers instead (measured per row count: decode_route.py).
+            native_step = program.supports(num_tokens) and self.platform.routes_to_program(
+                num_tokens
+            )
         else:  # models without a program (hybrids): decode-sized steps on native layer ops
             native_step = self.platform.native_layer_ops and num_tokens <= NATIVE_STEP_TOKENS
+        self._program_step = program is not None and native_step
         if native_step:
             # The native kernels run this step on their own threads; torch's OpenMP workers,
             # woken by sampling, would spin for milliseconds on the same cores.
@@ -306,7 +312,7 @@ class ModelRunner:
             desc = graphs.dispatcher.dispatch(md.num_reqs, md.num_actual_tokens, md.max_query_len)
             if desc is not None:
                 return graphs.run(desc, inputs.input_ids, inputs.positions, md)
-        if program is not None and program.supports(md.num_actual_tokens):
+        if program is not None and self._program_step:
             if self.draft is not None:  # the draft model runs its layers on this plan
                 self.backend.plan(md)
             return program.run(
