@@ -90,3 +90,63 @@ def test_bf16_prefill_sdpa_runs_in_bf16_where_the_cpu_has_bf16_matmul(
         prefill = torch.bfloat16 if bf16_prefill else torch.float32
         assert sorted(dtypes, key=lambda d: d[0]) == [(1, torch.float32), (prompt_len, prefill)]
         assert max_error(out, reference_attention(case, cache)) < 2e-2
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "window", "calls"),
+    [
+        # 3 x 40 tokens: past MAX_LINEAR_ROWS, so bf16 runs the bf16 prefill SDPA
+        ((40, 40, 40), (0, 0, 0), None, 1),  # equal fresh prompts: one batched call
+        ((40, 40, 40), (0, 0, 0), 40, 1),  # a window no shorter than the prompts is causal
+        ((40, 40, 40), (0, 0, 0), 39, 3),  # a shorter window needs its mask per request
+        ((40, 39, 40), (0, 0, 0), None, 3),  # unequal lengths
+        ((40, 40), (0, 4), None, 2),  # cached context
+        ((12, 12), (0, 0), None, 1),  # a short (fp32) step
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equal_fresh_prompts_attend_in_one_call_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+    query_lens: tuple[int, ...],
+    context_lens: tuple[int, ...],
+    window: int | None,
+    calls: int,
+    dtype: torch.dtype,
+) -> None:
+    # 8 x 512-token prompts took 8 SDPA calls per layer plus a copy of each output into the
+    # step's buffer; one call over [8, H, 512, D] parallelises over the batch and its output
+    # is already in the rows' layout. The result must not change: bitwise per request.
+    import tinyvllm.attention.torch_attn as torch_attn
+
+    count = [0]
+    sdpa = F.scaled_dot_product_attention
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        count[0] += 1
+        return sdpa(*args, **kwargs)
+
+    def run(batched: bool) -> torch.Tensor:
+        case = make_case(
+            torch.Generator().manual_seed(8),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_size=8,
+            sliding_window=window,
+            dtype=dtype,
+        )
+        backend = TorchAttentionBackend()
+        cache = case.kv_cache.clone()
+        backend.plan(case.metadata)
+        if not batched:
+            case.metadata.plan.uniform_len = None
+        out = backend.forward(case.layer, case.query, case.key, case.value, cache, case.metadata)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        assert max_error(out, reference_attention(case, cache)) < tolerance
+        return out
+
+    monkeypatch.setattr(torch_attn, "has_native_bf16_matmul", lambda: True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    per_request = run(batched=False)
+    count[0] = 0
+    assert torch.equal(run(batched=True), per_request)
+    assert count[0] == calls

@@ -58,6 +58,10 @@ class _DecodeGroup:
 class _TorchPlan:
     decode_groups: list[_DecodeGroup]
     prefills: list[_PrefillSpan]
+    # Set when the step is only fresh prompts of this one length, back to back, with no cached
+    # context and no bidirectional span (e.g. a batch of equal prompts, or one long prompt):
+    # causal layers then attend them as one batched SDPA call.
+    uniform_len: int | None = None
 
 
 # Decode queries are attended in groups of similar context length: each group pads only to its
@@ -109,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
             members.append(i)
         if members:
             groups.append(self._decode_group(metadata, members))
-        metadata.plan = _TorchPlan(groups, prefills)
+        metadata.plan = _TorchPlan(groups, prefills, _uniform_len(prefills, decode_rows))
 
     @staticmethod
     def _decode_group(metadata: AttentionMetadata, members: list[int]) -> _DecodeGroup:
@@ -165,6 +169,13 @@ class TorchAttentionBackend(AttentionBackend):
                 prefill_dtype = query.dtype
             q = query.to(prefill_dtype)
             key, value = key.to(prefill_dtype), value.to(prefill_dtype)
+            uniform = plan.uniform_len
+            if (
+                uniform is not None
+                and uniform * len(plan.prefills) == query.shape[0]  # no padding rows
+                and _plain_causal(layer, uniform)
+            ):
+                return _uniform_prefill(layer, q, key, value, uniform).to(query.dtype)
             for span in plan.prefills:
                 out[span.start : span.end] = self._prefill(layer, q, key, value, kv_cache, span)
         if plan.decode_groups:
@@ -280,6 +291,47 @@ def _sdpa(
         enable_gqa=True,
     )
     return o.squeeze(0)
+
+
+def _plain_causal(layer: Attention, length: int) -> bool:
+    """Whether the layer attends prompts of `length` tokens with a plain causal mask."""
+    window = layer.sliding_window
+    return not layer.logits_soft_cap and (window is None or window >= length)
+
+
+def _uniform_prefill(
+    layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
+) -> torch.Tensor:
+    """Causal SDPA over [B * length, H, D] rows, B prompts of `length` tokens, as one call.
+
+    One call instead of one per request: the flash kernel parallelises over the whole batch
+    (one parallel region, not B), and its output, [B, L, H, D] in memory, is the rows' layout
+    already, so no copy into a step-wide buffer is needed."""
+
+    def batched(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, length, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(
+        batched(q), batched(k), batched(v), is_causal=True, scale=layer.scale, enable_gqa=True
+    )
+    return o.transpose(1, 2).reshape(q.shape)
+
+
+def _uniform_len(prefills: list[_PrefillSpan], decode_rows: list[int]) -> int | None:
+    """The common length of a step made only of fresh, equally long prompts laid out back to
+    back from token 0 (None: any other step)."""
+    if decode_rows or not prefills:
+        return None
+    length = prefills[0].end - prefills[0].start
+    for i, span in enumerate(prefills):
+        if (
+            span.start != i * length
+            or span.end != (i + 1) * length
+            or span.context_len
+            or span.bidirectional
+        ):
+            return None
+    return length
 
 
 def _span_lists(ranges: torch.Tensor | None) -> list[list[tuple[int, int]]] | None:
