@@ -38,6 +38,7 @@ SOURCES = (
     Path(__file__).with_name("llama_decode.cpp"),
     Path(__file__).with_name("thread_pool.cpp"),
     Path(__file__).with_name("avx512_kernels.cpp"),
+    Path(__file__).with_name("attn_avx512.cpp"),
 )
 HEADERS = (Path(__file__).with_name("common.h"),)
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
