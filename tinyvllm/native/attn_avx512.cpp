@@ -1,7 +1,7 @@
 // AVX-512 variant of tv_paged_decode (cpu_kernels.cpp calls it when tv::isa_level() says the
 // CPU has AVX-512 and the shape fits: head_dim a multiple of 16 up to 256, at most 16 query
 // heads per KV head). Same two-pass softmax in fp32 as the AVX2 kernel; only the summation
-// order differs (and exp is a polynomial here, within 2 ulp of expf).
+// order differs (and exp is avx512_math.h's polynomial, within about an ulp of expf).
 //
 // Why: the AVX2 kernel reduced every (key, query head) dot product across the vector on its
 // own and ran expf one score at a time. Here each K row is loaded once for all query heads of
@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "avx512_math.h"
 #include "common.h"
 
 #pragma GCC push_options
@@ -26,31 +27,6 @@ namespace {
 
 constexpr int kMaxGroup = 16;
 constexpr int64_t kMaxDim = 256;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const uint16_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-
-// exp on 16 lanes for x <= 0: x = n ln2 + r (two-step ln2), exp(r) by Cephes' expf
-// polynomial, times 2^n by vscalefps. Inputs below -104 give (near) zero, as expf does.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-  return _mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
-}
 
 // Horizontal sums of v[0..16) into the lanes of one vector: lane 4t + e gets v[4e + t]'s sum
 // (a 4x4 transpose, undone by the caller's slot order). Four halving levels of shuffles + adds.
@@ -181,7 +157,8 @@ void item_weights(const T* kc, const int64_t* off, const float* qf, const Item& 
     for (int64_t c = 0; c < np; c += 16) {
       __m512 s[8];
       score16_any(gb, kc, off + c, qf + g0 * it.D, it.D, s);
-      for (int g = 0; g < gb; ++g) _mm512_storeu_ps(w + (g0 + g) * np + c, _mm512_mul_ps(s[g], scale));
+      for (int g = 0; g < gb; ++g)
+        _mm512_storeu_ps(w + (g0 + g) * np + c, _mm512_mul_ps(s[g], scale));
     }
   }
   const __mmask16 tail = static_cast<__mmask16>((1u << (16 - (np - it.n))) - 1);
