@@ -148,13 +148,32 @@ struct Item {  // one (query token, KV head): its G query heads over positions [
 };
 
 // Softmax weights of the item's G heads over its n keys into w ([G][np], padded lanes 0).
+// Rows at off[0..16) of `row_bytes` each into cache (hint: _MM_HINT_T0 / _MM_HINT_T1).
+template <int Hint, typename T>
+inline void prefetch16(const T* base, const int64_t* off, int64_t row_bytes) {
+  for (int j = 0; j < 16; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + off[j]);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(r + b, static_cast<_mm_hint>(Hint));
+  }
+}
+
+// The cache sits in L3 (or DRAM) as rows scattered over random blocks, a few hundred bytes per
+// (position, KV head): too short and too scattered for the hardware prefetchers, so each
+// chunk's score pass fetches the next chunk's K rows into L1 and its own V rows into L2 (the
+// value pass reads them after all scores are known).
 template <typename T>
-void item_weights(const T* kc, const int64_t* off, const float* qf, const Item& it, float* w,
-                  int64_t np) {
+void item_weights(const T* kc, const T* vc, const int64_t* off, const float* qf, const Item& it,
+                  float* w, int64_t np) {
   const __m512 scale = _mm512_set1_ps(it.scale);
+  const int64_t row_bytes = it.D * static_cast<int64_t>(sizeof(T));
   for (int64_t g0 = 0; g0 < it.G; g0 += 8) {
     const int gb = it.G - g0 < 8 ? static_cast<int>(it.G - g0) : 8;
+    if (g0 == 0 && np > 0) prefetch16<_MM_HINT_T0>(kc, off, row_bytes);
     for (int64_t c = 0; c < np; c += 16) {
+      if (g0 == 0) {
+        if (c + 16 < np) prefetch16<_MM_HINT_T0>(kc, off + c + 16, row_bytes);
+        prefetch16<_MM_HINT_T1>(vc, off + c, row_bytes);
+      }
       __m512 s[8];
       score16_any(gb, kc, off + c, qf + g0 * it.D, it.D, s);
       for (int g = 0; g < gb; ++g)
@@ -188,7 +207,7 @@ void item_weights(const T* kc, const int64_t* off, const float* qf, const Item& 
 template <typename T>
 void decode_item(const T* kc, const T* vc, const int64_t* off, const float* qf, const Item& it,
                  float* w, int64_t np, float* acc) {
-  item_weights(kc, off, qf, it, w, np);
+  item_weights(kc, vc, off, qf, it, w, np);
   for (int64_t g0 = 0; g0 < it.G; g0 += 4) {
     const int gb = it.G - g0 < 4 ? static_cast<int>(it.G - g0) : 4;
     value_any(gb, vc, off, it.n, w + g0 * np, np, acc + g0 * it.D, it.D);
@@ -220,12 +239,19 @@ void paged_decode_avx512(const void* q, int64_t q_stride, void* out, int dt, int
     const int64_t np = (it.n + 15) / 16 * 16;
     int64_t* off = static_cast<int64_t*>(scratch.get(np * 8 + group * np * 4));
     float* w = reinterpret_cast<float*>(off + np);
-    for (int64_t p = 0; p < np; ++p) {  // padding repeats the last key (its lanes are dropped)
-      const int64_t pos = first + (p < it.n ? p : it.n - 1);
-      const int64_t slot = static_cast<int64_t>(blocks[pos / block_size]) * block_size +
-                           pos % block_size;
-      off[p] = (slot * hkv + kh) * head_dim;
+    // Block by block (no division per position); padding repeats the last key, whose lanes
+    // are dropped.
+    const int64_t row_elems = hkv * head_dim;
+    for (int64_t pos = first, p = 0; pos < L;) {
+      const int64_t in_block = pos % block_size, left = L - pos;
+      const int64_t take = block_size - in_block < left ? block_size - in_block : left;
+      const int64_t base = (static_cast<int64_t>(blocks[pos / block_size]) * block_size +
+                            in_block) * row_elems + kh * head_dim;
+      for (int64_t j = 0; j < take; ++j) off[p + j] = base + j * row_elems;
+      p += take;
+      pos += take;
     }
+    for (int64_t p = it.n; p < np; ++p) off[p] = off[it.n - 1];
     alignas(64) float qf[kMaxGroup * kMaxDim];
     alignas(64) float acc[kMaxGroup * kMaxDim];
     const int64_t q0 = tok[i] * q_stride + kh * group * D;
