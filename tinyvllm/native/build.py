@@ -39,8 +39,12 @@ SOURCES = (
     Path(__file__).with_name("thread_pool.cpp"),
     Path(__file__).with_name("avx512_kernels.cpp"),
     Path(__file__).with_name("int8_kernels.cpp"),
+    Path(__file__).with_name("attn_avx512.cpp"),
 )
-HEADERS = (Path(__file__).with_name("common.h"),)
+HEADERS = (
+    Path(__file__).with_name("common.h"),
+    Path(__file__).with_name("avx512_math.h"),
+)
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
 # No OpenMP: thread_pool.cpp is the library's own runtime (a second OpenMP next to torch's
 # spins against it under load).

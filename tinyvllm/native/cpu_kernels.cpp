@@ -301,6 +301,20 @@ void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
   }
 }
 
+}  // extern "C"
+
+namespace tv {  // attn_avx512.cpp: the AVX-512 variant of tv_paged_decode below
+bool paged_decode_avx512_fits(int64_t hq, int64_t hkv, int64_t head_dim);
+void paged_decode_avx512(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
+                         const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
+                         const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,
+                         const void* kv, int64_t num_blocks, int64_t block_size, int64_t hq,
+                         int64_t hkv, int64_t head_dim, float scale, int64_t window,
+                         float softcap, int nthreads);
+}  // namespace tv
+
+extern "C" {
+
 // Attention straight from the paged cache (no gather): query token tok[i] of request row[i]
 // attends over the first seq_lens[row[i]] cached positions (decode), or over the first
 // tok_lens[i] when tok_lens is given (any query token: its own position + 1, so several tokens
@@ -313,6 +327,12 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
                      int64_t bt_stride, const void* kv, int64_t num_blocks, int64_t block_size,
                      int64_t hq, int64_t hkv, int64_t head_dim, float scale, int64_t window,
                      float softcap, int nthreads) {
+  if (isa_level() == kIsaAvx512 && paged_decode_avx512_fits(hq, hkv, head_dim)) {
+    paged_decode_avx512(q, q_stride, out, dt, n, tok, row, tok_lens, seq_lens, block_table,
+                        bt_stride, kv, num_blocks, block_size, hq, hkv, head_dim, scale, window,
+                        softcap, nthreads);
+    return;
+  }
   const int64_t group = hq / hkv;
   const int64_t cache_half = num_blocks * block_size * hkv * head_dim;
   // One item per (query token, KV head): its query heads share every K and V row read.
