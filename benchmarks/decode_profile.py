@@ -107,11 +107,25 @@ def _median_ms(seconds: list[float]) -> float:
 def step_breakdown(
     llm: Any, batch: int, new_tokens: int, samples: dict[str, list[Any]]
 ) -> dict[str, float]:
+    import tinyvllm.runner.model_runner as runner_module
     from tinyvllm import SamplingParams
 
     engine = llm.engine
     runner = engine.runner
     acc: dict[str, float] = defaultdict(float)
+    for name, label in (("prepare_inputs", "inputs"), ("build_sampling_metadata", "sampling md")):
+        setattr(runner_module, name, _timed(acc, f"  {label}", getattr(runner_module, name)))
+    native = getattr(runner.platform, "native", None)
+    if native is not None:  # each step's thread count, and whether it was a trial
+        choice = native.step_threads
+        choose = choice.choose
+
+        def recorded_choose(num_tokens: int) -> int:
+            threads = choose(num_tokens)
+            samples["threads"].append((threads, choice.trial))
+            return threads
+
+        choice.choose = recorded_choose
     engine.scheduler.schedule = _timed(acc, "scheduler", engine.scheduler.schedule)
     runner.execute_model = _timed(acc, "runner (all)", runner.execute_model)
     runner._forward = _timed(acc, "  model forward", runner._forward)
@@ -238,6 +252,12 @@ def main() -> None:
           f"({'eager' if args.eager else 'native'}), {steps.pop('steps')} steps")  # fmt: skip
     for name, ms in steps.items():
         print(f"{name:<24} {ms:8.3f} ms")
+    modes = samples["threads"]
+    if modes:
+        alone = sum(threads == 1 for threads, _ in modes)
+        trials = sum(trial for _, trial in modes)
+        print(f"thread choice: {len(modes) - alone} steps on all threads, {alone} alone "
+              f"({trials} of them trials)")  # fmt: skip
     print("\n## same window")
     print("\n".join(same_window(llm, samples, 30)))
     if getattr(llm.engine.runner.platform, "native", None) is not None and args.gguf is None:
