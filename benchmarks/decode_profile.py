@@ -4,9 +4,16 @@ Runs single-stream (or batch-B) greedy decoding of the random-weight SmolLM2-135
 benchmark model (see throughput.py) and splits the wall time of an engine step into
 scheduler, input preparation, model, logits, sampling and output processing; then times each
 kernel of the native decode program on the model's own weights (every layer in turn, so
-weights come from memory as in a real step) and reports achieved bandwidth.
+weights come from memory as in a real step) and reports achieved bandwidth. `--gguf FILE`
+profiles a real GGUF instead (e.g. SmolLM2-135M-Instruct Q4_1), `--int8-activations` with
+its opt-in int8 GEMVs.
 
-    python benchmarks/decode_profile.py [--batch 1] [--threads 2] [--eager]
+"Same window": the native decode program and lm_head, run back to back on the last step's
+inputs right after the engine run, against their medians inside the engine run. Compare
+isolated kernel timings with engine steps only this way: on a shared box the load moves
+both by 2x within a minute.
+
+    python benchmarks/decode_profile.py [--batch 1] [--threads 2] [--eager] [--gguf FILE]
 """
 
 from __future__ import annotations
@@ -36,22 +43,104 @@ def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable
     return wrapper
 
 
-def step_breakdown(llm: Any, batch: int, new_tokens: int) -> dict[str, float]:
+def _recorded(
+    samples: dict[str, list[Any]], name: str, fn: Callable[..., Any]
+) -> Callable[..., Any]:
+    """`fn`, keeping each call's arguments and wall seconds in samples[name]."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            samples[name].append((args, time.perf_counter() - t))
+
+    return wrapper
+
+
+def same_window(llm: Any, samples: dict[str, list[Any]], reps: int) -> list[str]:
+    """Median ms of the decode program and lm_head inside the engine run (single-token steps),
+    then on the last step's inputs now, per thread count: in turn as in a step, and each
+    back to back with itself (as an isolated kernel timing runs: its weights stay cached)."""
+    from tinyvllm.utils.cpu import torch_intra_op_threads
+
+    runner = llm.engine.runner
+    native = getattr(runner.platform, "native", None)
+    if runner.decode_program is None or native is None or not samples["program"]:
+        return ["(no native decode program)"]
+    calls = {
+        "program": (runner.decode_program.run.__wrapped__, samples["program"][-1][0]),
+        "lm_head": (runner.model.compute_logits.__wrapped__, samples["lm_head"][-1][0]),
+    }
+    lines = []
+    for name, (_, args) in calls.items():
+        inside = [t for a, t in samples[name][1:] if a[0].shape[0] == args[0].shape[0]]
+        lines.append(f"{name:<8} in engine {_median_ms(inside):7.3f} ms")
+
+    def timed(names: tuple[str, ...], threads: int) -> dict[str, list[float]]:
+        times: dict[str, list[float]] = defaultdict(list)
+        with torch.inference_mode(), torch_intra_op_threads(1):
+            for _ in range(reps):
+                native.lib.tv_pool_govern(threads)
+                for name in names:
+                    fn, args = calls[name]
+                    t = time.perf_counter()
+                    fn(*args)
+                    times[name].append(time.perf_counter() - t)
+                native.lib.tv_pool_govern(0)
+        return times
+
+    for threads in (native.step_threads.threads, 1):
+        in_turn = timed(("program", "lm_head"), threads)
+        for name in calls:
+            alone = timed((name,), threads)[name]
+            lines.append(f"{name:<8} {threads} threads: in turn {_median_ms(in_turn[name]):7.3f} "
+                         f"ms, back to back {_median_ms(alone):7.3f} ms")  # fmt: skip
+    return lines
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return sorted(seconds)[len(seconds) // 2] * 1e3
+
+
+def step_breakdown(
+    llm: Any, batch: int, new_tokens: int, samples: dict[str, list[Any]]
+) -> dict[str, float]:
+    import tinyvllm.runner.model_runner as runner_module
     from tinyvllm import SamplingParams
 
     engine = llm.engine
     runner = engine.runner
     acc: dict[str, float] = defaultdict(float)
+    for name, label in (("prepare_inputs", "inputs"), ("build_sampling_metadata", "sampling md")):
+        setattr(runner_module, name, _timed(acc, f"  {label}", getattr(runner_module, name)))
+    native = getattr(runner.platform, "native", None)
+    if native is not None:  # each step's thread count, and whether it was a trial
+        choice = native.step_threads
+        choose = choice.choose
+
+        def recorded_choose(num_tokens: int) -> int:
+            threads = choose(num_tokens)
+            samples["threads"].append((threads, choice.trial))
+            return threads
+
+        choice.choose = recorded_choose
     engine.scheduler.schedule = _timed(acc, "scheduler", engine.scheduler.schedule)
     runner.execute_model = _timed(acc, "runner (all)", runner.execute_model)
     runner._forward = _timed(acc, "  model forward", runner._forward)
-    runner.model.compute_logits = _timed(acc, "  lm_head (logits)", runner.model.compute_logits)
+    if runner.decode_program is not None:
+        runner.decode_program.run = _recorded(samples, "program", runner.decode_program.run)
+    runner.model.compute_logits = _recorded(
+        samples, "lm_head", _timed(acc, "  lm_head (logits)", runner.model.compute_logits)
+    )
     runner.sampler.forward = _timed(acc, "  sampler", runner.sampler.forward)
     engine.step = _timed(acc, "engine step (total)", engine.step)
     prompts = [{"prompt_token_ids": list(range(3 + i, 35 + i))} for i in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     acc.clear()
+    samples.clear()
     steps_before = engine.get_stats().num_steps
     llm.generate(prompts, params, use_tqdm=False)
     steps = engine.get_stats().num_steps - steps_before
@@ -142,21 +231,36 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="enforce_eager (no native kernels)")
     p.add_argument("--model-dir", type=Path, default=MODEL_DIR)
+    p.add_argument("--gguf", type=Path, help="a real GGUF file instead of --model-dir")
+    p.add_argument("--int8-activations", action="store_true", help="with --gguf")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from tinyvllm import LLM
 
-    if not (args.model_dir / "config.json").exists():
+    if args.gguf is not None:
+        llm = LLM(str(args.gguf), max_model_len=1024, int8_activations=args.int8_activations,
+                  enforce_eager=args.eager)  # fmt: skip
+    elif not (args.model_dir / "config.json").exists():
         raise SystemExit(f"{args.model_dir} missing: run benchmarks/throughput.py once first")
-    llm = LLM(str(args.model_dir), dtype="bfloat16", max_model_len=1024,
-              skip_tokenizer_init=True, kv_cache_memory_bytes=512 << 20,
-              enforce_eager=args.eager)  # fmt: skip
-    steps = step_breakdown(llm, args.batch, args.new_tokens)
+    else:
+        llm = LLM(str(args.model_dir), dtype="bfloat16", max_model_len=1024,
+                  skip_tokenizer_init=True, kv_cache_memory_bytes=512 << 20,
+                  enforce_eager=args.eager)  # fmt: skip
+    samples: dict[str, list[Any]] = defaultdict(list)
+    steps = step_breakdown(llm, args.batch, args.new_tokens, samples)
     print(f"## engine step, batch {args.batch}, {args.threads} threads "
           f"({'eager' if args.eager else 'native'}), {steps.pop('steps')} steps")  # fmt: skip
     for name, ms in steps.items():
         print(f"{name:<24} {ms:8.3f} ms")
-    if getattr(llm.engine.runner.platform, "native", None) is not None:
+    modes = samples["threads"]
+    if modes:
+        alone = sum(threads == 1 for threads, _ in modes)
+        trials = sum(trial for _, trial in modes)
+        print(f"thread choice: {len(modes) - alone} steps on all threads, {alone} alone "
+              f"({trials} of them trials)")  # fmt: skip
+    print("\n## same window")
+    print("\n".join(same_window(llm, samples, 30)))
+    if getattr(llm.engine.runner.platform, "native", None) is not None and args.gguf is None:
         print(f"\n## native kernels, batch {args.batch}, summed over all layers")
         for name, ms, gbs in kernel_breakdown(llm, args.batch, 64, 20):
             print(f"{name:<24} {ms:8.3f} ms  {gbs:6.1f} GB/s")
