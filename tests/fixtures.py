@@ -263,3 +263,14 @@ def bind_kv_caches(model: Any, backend: Any, num_blocks: int, block_size: int = 
         shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
         layer.backend = backend
         layer.kv_cache = torch.zeros(shape, dtype=param.dtype, device=param.device)
+
+
+def pin_program_route(llm: Any) -> None:
+    """Every step the native decode program supports runs on it: on CPUs with bf16 matmul the
+    decode route otherwise sends some steps to the layers by measured time (decode_route.py),
+    which would make program-step counts and program-vs-layers comparisons depend on timing."""
+    from tinyvllm.native.decode_route import PROGRAM
+
+    route = llm.engine.runner.platform.decode_route
+    if route is not None:
+        route.fixed = PROGRAM

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import build_tiny_checkpoint
+from fixtures import build_tiny_checkpoint, pin_program_route
 from test_models import (
     PROMPT_LENS,
     TOLERANCE,
@@ -155,6 +155,7 @@ def test_decode_program_is_bit_identical_to_native_layers(gemma_dir: Path, dtype
         ]
 
     assert llm.engine.runner.decode_program is not None
+    pin_program_route(llm)
     with_program = run()
     llm.engine.runner.decode_program = None
     llm.reset_prefix_cache()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import pin_program_route
 from lfm2_checkpoint import build_tiny_lfm2
 
 from tinyvllm import LLM, SamplingParams
@@ -307,6 +308,7 @@ def _count_program_steps(llm: LLM) -> tuple[list[int], list[int]]:
         pytest.skip("the native kernels did not load here")
     program = runner.decode_program
     assert program is not None, "LFM2 got no native decode program"
+    pin_program_route(llm)
     expected: list[int] = []
     ran: list[int] = []
     run, execute = program.run, runner._execute_model

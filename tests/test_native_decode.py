@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import pin_program_route
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.native.build import unsupported_reason
-from tinyvllm.native.decode_route import PROGRAM
 
 pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
@@ -77,9 +77,7 @@ def test_decode_program_is_bit_identical_to_native_layers(tiny_models, dtype: st
     """The one-call program runs exactly the kernels the per-layer native path runs."""
     for family in ("qwen2", "qwen3", "mistral"):
         llm = LLM(str(tiny_models[family]), dtype=dtype, max_model_len=256)
-        route = llm.engine.runner.platform.decode_route
-        if route is not None:  # every step the program supports on it, none on torch's GEMMs
-            route.fixed = PROGRAM
+        pin_program_route(llm)
         prompts = _prompts(llm.engine.config.model.vocab_size, seed=2)
         with_program = _run(llm, prompts)
         llm.engine.runner.decode_program = None
