@@ -255,6 +255,9 @@ def start_vllm_api(
     def generate(wl: Workload) -> tuple[float, list[Any]]:
         prompts = [{"prompt_token_ids": p} for p in wl.prompts]
         params = [params_cls(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
+        # Every round sends the same prompts: without this, rounds after the first would
+        # prefill from the prefix cache (the engine stays loaded between rounds).
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, outs

@@ -130,3 +130,40 @@ def test_missing_interpreter_names_the_flag(throughput: Any, tmp_path: Path) -> 
 
     with pytest.raises(FileNotFoundError, match="--vllm-python"):
         run_vllm_peer(tmp_path / "nope", tmp_path, [], None, {}, 2)
+
+
+def test_rounds_do_not_prefill_from_the_prefix_cache(throughput: Any) -> None:
+    """Engines stay loaded across rounds and every round sends the same prompts: each
+    measurement starts from an empty prefix cache, or round 2's prefill would be a cache hit."""
+
+    class Out:
+        def __init__(self, n: int) -> None:
+            self.outputs = [type("C", (), {"token_ids": list(range(n))})()]
+
+    class FakeLLM:
+        def __init__(self, model: str, **kwargs: Any) -> None:
+            self.calls: list[str] = []
+
+        def reset_prefix_cache(self) -> bool:
+            self.calls.append("reset")
+            return True
+
+        def generate(self, prompts: list, params: list, use_tqdm: bool) -> list[Out]:
+            self.calls.append("generate")
+            return [Out(p.max_tokens) for p in params]
+
+    class Params:
+        def __init__(self, temperature: float, max_tokens: int, ignore_eos: bool) -> None:
+            self.max_tokens = max_tokens
+
+    created: list[FakeLLM] = []
+
+    def make(model: str, **kwargs: Any) -> FakeLLM:
+        created.append(FakeLLM(model, **kwargs))
+        return created[-1]
+
+    warmup = throughput.warmup_workload(1000, 16)
+    engine = throughput.start_vllm_api("fake", make, Params, Path("/m"), {}, warmup)
+    workloads = throughput.make_workloads(["c"], True, 1000, 0)
+    throughput.run_rounds([engine], workloads, 2)
+    assert created[0].calls == ["reset", "generate"] * 3  # warm-up, then two rounds
