@@ -51,6 +51,20 @@ def test_the_choice_follows_a_change_in_step_times() -> None:
     assert after <= route.choice.max_interval + 8, after
 
 
+def test_a_path_that_loses_badly_is_tried_rarely() -> None:
+    """One row on the layers costs ~3x a program step: after warm-up its trials take at most
+    ~1% of the time (a fixed 1-in-64 back-off cost 3% of every single-stream run)."""
+    route = DecodeRoute()
+    route_steps(route, 1, {PROGRAM: 10e6, LAYERS: 30e6}, 200)  # warm-up: first samples, trials
+    on_program = route_steps(route, 1, {PROGRAM: 10e6, LAYERS: 30e6}, 1000)
+    trials = 1000 - on_program
+    assert trials * (30e6 - 10e6) <= 0.012 * 1000 * 10e6, trials
+    # A close loser keeps the usual back-off, so a change in load is still noticed soon.
+    route = DecodeRoute()
+    route_steps(route, 16, {PROGRAM: 2e6, LAYERS: 3e6}, 400)
+    assert route.choice.interval <= route.choice.max_interval
+
+
 @pytest.mark.parametrize("fixed", [PROGRAM, LAYERS])
 def test_a_fixed_route_is_deterministic_and_measures_nothing(fixed: str) -> None:
     route = DecodeRoute(fixed=fixed)

@@ -35,9 +35,12 @@ class DecodeRoute:
     """Per step: the program (the choice's first way) or the layers (its second)."""
 
     # Two first samples per path and bucket: a layers step of a new row count pays oneDNN's
-    # kernel generation once.
+    # kernel generation once. A path that loses badly (the layers at one row: ~3x) is retried
+    # rarely enough that its trials cost at most 1% of the steps' time.
     choice: MeasuredChoice = field(
-        default_factory=lambda: MeasuredChoice(exact_tokens=_EXACT_ROWS, first_samples=2)
+        default_factory=lambda: MeasuredChoice(
+            exact_tokens=_EXACT_ROWS, first_samples=2, max_trial_cost=0.01
+        )
     )
     # PROGRAM or LAYERS: every step takes that path (parity tests, benchmark comparisons).
     fixed: str | None = None

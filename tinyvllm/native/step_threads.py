@@ -45,6 +45,12 @@ class MeasuredChoice:
 
     min_interval: int = 8
     max_interval: int = 64
+    # When set: a way that lost its trial by a factor `loss` is tried again only every
+    # (loss - 1) / max_trial_cost steps (up to `max_slow_interval`), so its trials cost at most
+    # that fraction of the time (a torch step of one row is ~3x a program step: 1 in 64 costs
+    # 3%). None: every way's interval stops at `max_interval`.
+    max_trial_cost: float | None = None
+    max_slow_interval: int = 1024
     # Steps of up to this many tokens keep estimates of their own; longer ones share one per
     # power of two, compared per token.
     exact_tokens: int = _EXACT_TOKENS
@@ -95,8 +101,15 @@ class MeasuredChoice:
                 self.interval = self.min_interval
             else:  # back off by at least 2x, by the loss where it lost badly (a slow trial
                 # of torch's threads under load costs 40x a step alone)
-                loss = max(2.0, self.estimates[key] / other)
-                self.interval = min(int(self.interval * loss), self.max_interval)
+                ratio = self.estimates[key] / other
+                loss = max(2.0, ratio)
+                self.interval = min(int(self.interval * loss), self._interval_cap(ratio))
+
+    def _interval_cap(self, ratio: float) -> int:
+        if self.max_trial_cost is None:
+            return self.max_interval
+        bounded = int((ratio - 1.0) / self.max_trial_cost)
+        return max(self.max_interval, min(bounded, self.max_slow_interval))
 
 
 @dataclass
