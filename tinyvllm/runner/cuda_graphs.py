@@ -14,10 +14,14 @@ import bisect
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tinyvllm.attention.backend import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from tinyvllm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +207,31 @@ class CudaGraphRunner:
         self.buffers.fill(desc, input_ids, positions, md)
         graph.replay()
         return out[: md.num_actual_tokens]
+
+
+def capture_model_graphs(runner: ModelRunner, max_blocks_per_req: int) -> CudaGraphRunner | None:
+    """Full-model graphs for uniform decode (and K + 1 verify) batches; only with a
+    backend whose forward is graph-safe (no host reads of per-step values)."""
+    if not getattr(runner.backend, "cuda_graph_safe", False):
+        logger.info("CUDA graphs off: the %s attention backend is eager-only", runner.backend)
+        return None
+    if runner.recurrent_layers:
+        # The graphs' input buffers carry no recurrent-state metadata.
+        logger.info("CUDA graphs off: hybrid models with recurrent state run eagerly")
+        return None
+    sched = runner.config.scheduler
+    sizes = cuda_graph_batch_sizes(sched.max_num_seqs)
+    dispatcher = CudaGraphDispatcher(sizes)
+    if runner.config.speculative is not None:
+        dispatcher.add_query_len(runner.config.speculative.num_speculative_tokens + 1)
+    buffers = GraphInputBuffers(
+        sched.max_num_seqs,
+        sizes[-1] * max(dispatcher.query_lens),
+        max_blocks_per_req,
+        runner.block_size,
+        runner.max_model_len,
+        runner.device,
+    )
+    graphs = CudaGraphRunner(runner.model, runner.backend, dispatcher, buffers)
+    graphs.capture_all()
+    return graphs

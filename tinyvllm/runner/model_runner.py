@@ -9,22 +9,20 @@ state that the registry's `state_kind` selects (`runner/model_states/`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.config import EngineConfig
 from tinyvllm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tinyvllm.models.loader import module_bytes
 from tinyvllm.models.registry import resolve_architecture
 from tinyvllm.platforms import Platform
 from tinyvllm.runner.cuda_graphs import (
-    CudaGraphDispatcher,
     CudaGraphRunner,
-    GraphInputBuffers,
-    cuda_graph_batch_sizes,
+    capture_model_graphs,
 )
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
@@ -36,6 +34,7 @@ from tinyvllm.runner.kv_cache import (
     determine_num_blocks,
 )
 from tinyvllm.runner.loading import load_target_model
+from tinyvllm.runner.memory_profile import profile_peak_bytes
 from tinyvllm.runner.model_states import ModelInputs, ModelState, create_model_state
 from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
@@ -127,7 +126,9 @@ class ModelRunner:
             self.device,
             mc.max_model_len,
             config.scheduler.max_num_seqs,
-            profile_peak_bytes=self._profile_peak_bytes if self.device.type == "cuda" else None,
+            profile_peak_bytes=(
+                functools.partial(profile_peak_bytes, self) if self.device.type == "cuda" else None
+            ),
             may_shrink_max_model_len=not mc.max_model_len_explicit,
             recurrent_layers=self.recurrent_layers,
             cache_state_snapshots=config.cache.caches_state_snapshots,
@@ -148,7 +149,7 @@ class ModelRunner:
         self.decode_program = self.platform.decode_program(self.model) if flat else None
         max_blocks_per_req = -(-max_model_len // self.block_size)
         if self.platform.uses_cuda_graphs and flat:
-            self.cuda_graphs = self._capture_cuda_graphs(max_blocks_per_req)
+            self.cuda_graphs = capture_model_graphs(self, max_blocks_per_req)
         # One spare column so the token sampled at max_model_len has somewhere to go.
         self.states = RequestStates(
             config.scheduler.max_num_seqs, max_model_len + 1, max_blocks_per_req, mc.vocab_size
@@ -356,33 +357,6 @@ class ModelRunner:
                 logprobs[i] = None if entries[0] is None else entries
         return sampled, logprobs, spec_counts
 
-    def _capture_cuda_graphs(self, max_blocks_per_req: int) -> CudaGraphRunner | None:
-        """Full-model graphs for uniform decode (and K + 1 verify) batches; only with a
-        backend whose forward is graph-safe (no host reads of per-step values)."""
-        if not getattr(self.backend, "cuda_graph_safe", False):
-            logger.info("CUDA graphs off: the %s attention backend is eager-only", self.backend)
-            return None
-        if self.recurrent_layers:
-            # The graphs' input buffers carry no recurrent-state metadata.
-            logger.info("CUDA graphs off: hybrid models with recurrent state run eagerly")
-            return None
-        sched = self.config.scheduler
-        sizes = cuda_graph_batch_sizes(sched.max_num_seqs)
-        dispatcher = CudaGraphDispatcher(sizes)
-        if self.config.speculative is not None:
-            dispatcher.add_query_len(self.config.speculative.num_speculative_tokens + 1)
-        buffers = GraphInputBuffers(
-            sched.max_num_seqs,
-            sizes[-1] * max(dispatcher.query_lens),
-            max_blocks_per_req,
-            self.block_size,
-            self.max_model_len,
-            self.device,
-        )
-        graphs = CudaGraphRunner(self.model, self.backend, dispatcher, buffers)
-        graphs.capture_all()
-        return graphs
-
     def _append_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         states = self.states
         pos = states.num_tokens[rows]
@@ -412,42 +386,3 @@ class ModelRunner:
             lp = compute_token_logprobs(logits, targets, n)
             result[req_id] = logprobs_to_lists(lp, [n] * (end - start))
         return result
-
-    def _profile_peak_bytes(self) -> int:
-        """Run the largest batch the scheduler may send, on a throwaway cache; return the peak."""
-        sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens, self.config.model.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size)
-        allocate_kv_caches(
-            self.layers, self.backend, num_blocks, self.block_size, self.dtype, self.device
-        )
-        allocate_state_tensors(self.recurrent_layers, 1, self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        block_table = torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None]
-        metadata = AttentionMetadata(
-            num_reqs=1,
-            num_actual_tokens=num_tokens,
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_table=block_table,
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            query_start_loc_cpu=[0, num_tokens],
-            seq_lens_cpu=[num_tokens],
-            block_size=self.block_size,
-        )
-        inputs = self.model_state.dummy_inputs(metadata)
-        self.backend.plan(metadata)
-        with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, metadata)
-            self.model.compute_logits(hidden[-sched.max_num_seqs :])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        for layer in self.layers:
-            layer.kv_cache = None
-        for rec in self.recurrent_layers:
-            rec.states = []
-        torch.cuda.empty_cache()
-        return peak
