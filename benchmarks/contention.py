@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_report import machine_info
 from throughput import (
     DEFAULT_MODEL_DIR,
     MAX_MODEL_LEN,
     MODEL_CONFIG,
     Workload,
     ensure_checkpoint,
-    machine_info,
     make_workloads,
 )
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from throughput import machine_info
+from bench_report import machine_info
 
 MODEL = "all-MiniLM-L6-v2"
 # Modules whose docstrings supply the sentences (stable across Python versions).

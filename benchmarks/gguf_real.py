@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from throughput import machine_info
+    from bench_report import machine_info
 
     from tinyvllm.gguf.bundled import smollm2_gguf_path
 

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_report import machine_info
 from prefix_cache import Result, render, run_hf, run_tinyvllm
-from throughput import FIRST_ID, machine_info
+from throughput import FIRST_ID
 
 CACHE_DIR = Path("~/.cache/tinyvllm/bench")
 QUICK_LAYERS = 4

@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench_report import machine_info
 from hybrid import CACHE_DIR, SHAPES, build_checkpoint
-from throughput import FIRST_ID, machine_info
+from throughput import FIRST_ID
 
 
 def decode_ms_per_step(llm: Any, params_cls: Any, batch: int, new_tokens: int, vocab: int) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_report import machine_info
 from throughput import (
     DEFAULT_MODEL_DIR,
     FIRST_ID,
@@ -32,7 +33,6 @@ from throughput import (
     QUICK_LAYERS,
     ensure_checkpoint,
     hf_generate,
-    machine_info,
     peak_rss_mib,
 )
 

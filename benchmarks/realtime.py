@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine_info
+from bench_report import machine_info
 
 TEXT: dict[str, Any] = {
     "vocab_size": 131072, "hidden_size": 1024, "intermediate_size": 3584,
