@@ -17,6 +17,7 @@ import torch
 from tinyvllm.attention.backend import AttentionBackend, AttentionMetadata
 from tinyvllm.runner.input_batch import InputBatch
 from tinyvllm.runner.states import RequestStates
+from tinyvllm.sample.sampler import argmax_rows
 
 if TYPE_CHECKING:
     from tinyvllm.native.quant_ops import QuantKernels
@@ -93,7 +94,7 @@ class DraftModelProposer:
             metadata = self._decode_metadata(states, rows[active], position, device)
             backend.plan(metadata)
             hidden = self.model(tokens.to(device), position.to(device), metadata)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1).cpu()
+            tokens = argmax_rows(self.model.compute_logits(hidden)).cpu()
             for i, token in zip(active.tolist(), tokens.tolist(), strict=True):
                 drafts[i].append(token)
             position = position + 1

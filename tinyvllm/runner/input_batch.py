@@ -1,13 +1,16 @@
 """InputBatch: one step's flattened model inputs, gathered from the persistent rows.
 
 Everything per token is computed with tensor ops over the whole batch; Python only touches
-one entry per request (its row index and scheduled token count).
+one entry per request (its row index and scheduled token count). Host-side steps of one token
+per request (decode) take the same arithmetic in numpy on the rows' numpy views: at a few
+requests each torch op on a tiny tensor costs more than its work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyvllm.attention.backend import AttentionMetadata
@@ -25,6 +28,9 @@ class InputBatch:
     # Requests that sample this step (their scheduled tokens reach the end of what is known).
     sample_idx: torch.Tensor  # [S] batch index of each sampling request
     logits_indices: torch.Tensor  # [S] flattened token index whose logits are sampled
+    # Python mirrors of `rows` and `sample_idx`, for the per-request loops after the forward.
+    row_list: list[int]
+    sample_list: list[int]
 
     @property
     def num_reqs(self) -> int:
@@ -44,8 +50,11 @@ def prepare_inputs(
     O(requests) data crosses the bus besides the input ids."""
     if device_side is None:
         device_side = device.type == "cuda"
+    row_list = [states.req_id_to_row[r] for r in req_ids]
+    if not device_side and device.type == "cpu" and all(n == 1 for n in num_scheduled_tokens):
+        return _prepare_decode(states, req_ids, row_list, block_size)
     num_reqs = len(req_ids)
-    rows = torch.tensor([states.req_id_to_row[r] for r in req_ids], dtype=torch.int64)
+    rows = torch.tensor(row_list, dtype=torch.int64)
     num_sched = torch.tensor(num_scheduled_tokens, dtype=torch.int64)
     query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)
     torch.cumsum(num_sched, 0, out=query_start_loc[1:])
@@ -90,15 +99,86 @@ def prepare_inputs(
         seq_lens_cpu=seq_lens_cpu,
         block_size=block_size,
     )
+    return _batch(
+        req_ids,
+        row_list,
+        (rows, num_sched, input_ids.to(device), positions_dev.to(device)),
+        metadata,
+        sample_idx,
+        logits_indices.to(device),
+    )
+
+
+def _batch(
+    req_ids: list[str],
+    row_list: list[int],
+    per_token: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    metadata: AttentionMetadata,
+    sample_idx: torch.Tensor,
+    logits_indices: torch.Tensor,
+) -> InputBatch:
+    """The InputBatch of either path; `per_token` is (rows, num_scheduled, input_ids,
+    positions)."""
+    rows, num_sched, input_ids, positions = per_token
     return InputBatch(
         req_ids=req_ids,
         rows=rows,
         num_scheduled=num_sched,
-        input_ids=input_ids.to(device),
-        positions=positions_dev.to(device),
+        input_ids=input_ids,
+        positions=positions,
         attn_metadata=metadata,
         sample_idx=sample_idx,
-        logits_indices=logits_indices.to(device),
+        logits_indices=logits_indices,
+        row_list=row_list,
+        sample_list=sample_idx.tolist(),
+    )
+
+
+def _prepare_decode(
+    states: RequestStates, req_ids: list[str], row_list: list[int], block_size: int
+) -> InputBatch:
+    """`prepare_inputs` of a CPU step that schedules one token per request: the general
+    path's values (dtypes and contiguity included) from a dozen numpy ops instead of ~30
+    torch ops. Request i's token is its token at position num_computed, and it is token i of
+    the flat batch."""
+    num_reqs = len(row_list)
+    rows = np.array(row_list, dtype=np.int64)
+    positions = states.np_num_computed_tokens[rows]  # a copy: the runner advances the views
+    input_ids = states.np_token_ids[rows, positions]
+    block_ids = states.np_block_table[rows, positions // block_size].astype(np.int64)
+    slot_mapping = block_ids * block_size + positions % block_size
+    seq_lens = positions + 1
+    seq_lens_cpu = seq_lens.tolist()
+    max_seq_len = max(seq_lens_cpu)
+    block_table = np.ascontiguousarray(states.np_block_table[rows, : -(-max_seq_len // block_size)])
+    # Requests whose token is the last one known sample; a prompt chunk of one token that
+    # does not reach the end of the prompt does not.
+    sample_idx = np.flatnonzero(seq_lens >= states.np_num_tokens[rows])
+    query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+    metadata = AttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=num_reqs,
+        query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+        block_table=torch.from_numpy(block_table),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+        query_start_loc_cpu=query_start_loc.tolist(),
+        seq_lens_cpu=seq_lens_cpu,
+        block_size=block_size,
+    )
+    per_token = (
+        torch.from_numpy(rows),
+        torch.ones(num_reqs, dtype=torch.int64),
+        torch.from_numpy(input_ids),
+        torch.from_numpy(positions),
+    )
+    sample_idx = sample_idx.astype(np.int64, copy=False)
+    # Token i is request i's: the sampled tokens' flat indices are the requests'.
+    logits_indices = torch.from_numpy(sample_idx.copy())
+    return _batch(
+        req_ids, row_list, per_token, metadata, torch.from_numpy(sample_idx), logits_indices
     )
 
 

@@ -13,6 +13,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tinyvllm.config import EngineConfig
@@ -36,7 +37,7 @@ from tinyvllm.runner.kv_cache import (
 from tinyvllm.runner.loading import load_target_model
 from tinyvllm.runner.memory_profile import profile_peak_bytes
 from tinyvllm.runner.model_states import ModelInputs, ModelState, create_model_state
-from tinyvllm.runner.sampling import build_sampling_metadata, logprobs_to_lists
+from tinyvllm.runner.sampling import build_sampling_metadata, finite_rows, logprobs_to_lists
 from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
@@ -196,7 +197,7 @@ class ModelRunner:
         ):
             row = states.req_id_to_row[req_id]
             states.append_blocks(row, block_ids)
-            states.num_computed_tokens[row] = num_computed
+            states.np_num_computed_tokens[row] = num_computed
         for req_id, token_ids in cached.appended_prompt_ids.items():  # streaming input
             states.append_prompt_tokens(states.req_id_to_row[req_id], token_ids)
         scheduled = {r: n for r, n in sched.num_scheduled_tokens.items() if r not in failed}
@@ -218,19 +219,20 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list | None = None
         spec_counts: dict[str, tuple[int, int]] = {}
-        if drafts and batch.sample_idx.numel():
+        if drafts and batch.sample_list:
             sampled, logprobs, spec_counts = self._verify(batch, hidden, drafts)
-        elif batch.sample_idx.numel():
+        elif batch.sample_list:
             sampled, logprobs = self._sample(batch, hidden)
-        states.num_computed_tokens[batch.rows] += batch.num_scheduled
+        # A batch's rows are distinct, so an indexed += adds once per row.
+        states.np_num_computed_tokens[batch.rows.numpy()] += batch.num_scheduled.numpy()
         for i, rid in enumerate(req_ids):
             if sampled[i] and sampled[i][0] < 0:  # its logits were not finite
                 failed[rid] = NON_FINITE_LOGITS
                 sampled[i] = []
         proposals: dict[str, list[int]] = {}
         spec_k: int | None = None
-        if self.speculator is not None and batch.sample_idx.numel():
-            sample_idx = [i for i in batch.sample_idx.tolist() if req_ids[i] not in failed]
+        if self.speculator is not None and batch.sample_list:
+            sample_idx = [i for i in batch.sample_list if req_ids[i] not in failed]
             proposals = self.speculator.propose(
                 states, [req_ids[i] for i in sample_idx], batch.rows[sample_idx]
             )
@@ -271,25 +273,30 @@ class ModelRunner:
     ) -> tuple[list[list[int]], list | None]:
         """One token per sampling request; -1 for a request whose logits are not finite."""
         states = self.states
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sample_rows = batch.rows[batch.sample_idx]
+        sample_idx = batch.sample_list
+        # A step whose every token samples (decode) needs no gather of the hidden rows: its
+        # logits indices are 0..T-1 (see prepare_inputs).
+        every = len(sample_idx) == hidden.shape[0]
+        logits = self.model.compute_logits(hidden if every else hidden[batch.logits_indices])
+        if len(sample_idx) == batch.num_reqs:
+            sample_rows, row_list = batch.rows, batch.row_list
+        else:
+            sample_rows = batch.rows[batch.sample_idx]
+            row_list = [batch.row_list[i] for i in sample_idx]
         metadata = build_sampling_metadata(states, sample_rows, self.generator)
         out = self.sampler(logits, metadata)
-        # NaN/inf weights give NaN logits, whose argmax is token 0 forever: flag those rows
-        # (amax propagates NaN and +inf, and is -inf only for a row with nothing finite).
-        finite = torch.isfinite(logits.amax(dim=-1))
-        tokens = torch.where(finite, out.sampled_token_ids, -1).to("cpu")
-        self._append_tokens(sample_rows, tokens)
+        tokens = out.sampled_token_ids.tolist()
+        for i, ok in enumerate(finite_rows(logits, tokens, metadata)):
+            if not ok:
+                tokens[i] = -1
+        self._append_tokens(row_list, tokens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
-        sample_idx = batch.sample_idx.tolist()
-        for i, tok in zip(sample_idx, tokens.tolist(), strict=True):
+        for i, tok in zip(sample_idx, tokens, strict=True):
             sampled[i] = [tok]
         logprobs: list | None = None
         if out.logprobs is not None:
             logprobs = [None] * len(batch.req_ids)
-            per_row = logprobs_to_lists(
-                out.logprobs, [states.num_logprobs[r] for r in sample_rows.tolist()]
-            )
+            per_row = logprobs_to_lists(out.logprobs, [states.num_logprobs[r] for r in row_list])
             for i, lp in zip(sample_idx, per_row, strict=True):
                 logprobs[i] = None if lp is None else [lp]
         return sampled, logprobs
@@ -357,11 +364,12 @@ class ModelRunner:
                 logprobs[i] = None if entries[0] is None else entries
         return sampled, logprobs, spec_counts
 
-    def _append_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _append_tokens(self, rows: list[int], tokens: list[int]) -> None:
         states = self.states
-        pos = states.num_tokens[rows]
-        states.token_ids[rows, pos] = tokens
-        states.num_tokens[rows] = pos + 1
+        index = np.array(rows, dtype=np.int64)
+        pos = states.np_num_tokens[index]
+        states.np_token_ids[index, pos] = tokens
+        states.np_num_tokens[index] = pos + 1
 
     def _prompt_logprobs(
         self, batch: InputBatch, hidden: torch.Tensor
@@ -370,7 +378,7 @@ class ModelRunner:
         states = self.states
         result: dict[str, list[tuple[list[int], list[float], int]]] = {}
         qsl = batch.attn_metadata.query_start_loc_cpu
-        for i, row in enumerate(batch.rows.tolist()):
+        for i, row in enumerate(batch.row_list):
             n = states.num_prompt_logprobs[row]
             if n is None:
                 continue

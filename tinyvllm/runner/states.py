@@ -7,9 +7,14 @@ batch from Python objects.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tinyvllm.core.outputs import NewRequestData
+
+if TYPE_CHECKING:
+    from tinyvllm.sample.metadata import SamplingMetadata
 
 _GREEDY_EPS = 1e-5
 
@@ -30,6 +35,14 @@ class RequestStates:
         self.num_computed_tokens = torch.zeros(max_num_reqs, dtype=torch.int64)
         self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32)
         self.num_blocks = [0] * max_num_reqs
+        # numpy views of the same memory, for the per-step reads and writes of a few rows:
+        # a numpy index costs ~0.5 us against ~2-5 us for a torch op on a tiny tensor, and a
+        # decode step makes a dozen of them (prepare_inputs' decode path, the runner's
+        # bookkeeping). The tensors are never replaced, so the views stay valid.
+        self.np_token_ids = self.token_ids.numpy()
+        self.np_num_tokens = self.num_tokens.numpy()
+        self.np_num_computed_tokens = self.num_computed_tokens.numpy()
+        self.np_block_table = self.block_table.numpy()
 
         # Sampling parameters as columns, gathered per step by row index.
         self.temperature = torch.ones(max_num_reqs, dtype=torch.float32)
@@ -45,6 +58,11 @@ class RequestStates:
         self.num_prompt_logprobs: list[int | None] = [None] * max_num_reqs
         self.min_tokens: list[int] = [0] * max_num_reqs
         self.min_tokens_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        # Bumped whenever a row's sampling columns change (a request takes the row): the
+        # sampling metadata of the last step can be reused while the sampled rows and this
+        # stay the same (see runner/sampling.py).
+        self.sampling_version = 0
+        self.last_sampling: tuple[tuple[int, ...], int, SamplingMetadata] | None = None
 
     def __len__(self) -> int:
         return len(self.req_id_to_row)
@@ -63,6 +81,7 @@ class RequestStates:
         return row
 
     def _fill(self, row: int, new: NewRequestData) -> None:
+        self.sampling_version += 1  # first: a fill that fails halfway changed columns too
         tokens = new.prompt_token_ids + new.output_token_ids
         n = len(tokens)
         self.token_ids[row, :n] = torch.tensor(tokens, dtype=torch.int64)
@@ -111,5 +130,5 @@ class RequestStates:
             return
         start = self.num_blocks[row]
         end = start + len(block_ids)
-        self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
+        self.np_block_table[row, start:end] = block_ids
         self.num_blocks[row] = end

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,7 +28,8 @@ class Sampler(nn.Module):
     """Samples one token per row of `logits` [B, V]; never modifies `logits` in place."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # (a no-op .float() still costs a dispatch)
+            logits = logits.float()
         processed = apply_min_tokens_mask(logits, metadata.min_tokens_mask)
         processed = apply_penalties(processed, metadata)
         sampled = sample(processed, metadata)
@@ -45,7 +47,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long, device=logits.device)
     greedy: torch.Tensor | None = None
     if not metadata.all_random:
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if metadata.all_greedy:
             return greedy
 
@@ -173,4 +175,18 @@ def random_sample(
         q[row].uniform_(low, 1.0, generator=generator)
     # -log(u) is Exp(1); on CPU this is several times faster than exponential_.
     q.log_().neg_()
-    return probs.div_(q).argmax(dim=-1)
+    return argmax_rows(probs.div_(q))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a [B, V] tensor: [B] int64, the first maximal index of each row,
+    NaN counting as the maximum (as torch and numpy both define it, so the two agree).
+
+    Why numpy on CPU: torch's CPU argmax does not vectorise, 70 us for one 49k-entry row of
+    logits and 1.1 ms for 16 rows, against 3 us and 0.13 ms for numpy's; at 5 ms a decode
+    step that is a large share of what is not the model.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1]:
+        values = (x.detach() if x.requires_grad else x).numpy()
+        return torch.from_numpy(values.argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)

@@ -35,6 +35,7 @@ from tinyvllm.sample.sampler import (
     apply_min_p_,
     apply_temperature,
     apply_top_k_top_p_,
+    argmax_rows,
     random_sample,
     sample,
 )
@@ -330,7 +331,7 @@ def _verify_with_probs(
     draft_generators: list[tuple[int, torch.Generator]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token per row if that row is reached, acceptance per draft) for general drafts."""
-    greedy_tokens = None if md.all_random else processed.argmax(dim=-1)
+    greedy_tokens = None if md.all_random else argmax_rows(processed)
     if greedy_tokens is not None and md.all_greedy:
         return greedy_tokens, greedy_tokens[layout.draft_rows] == draft_ids
 
