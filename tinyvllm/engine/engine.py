@@ -267,8 +267,9 @@ class Engine:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = new.num_computed_tokens
-        kv = self.kv_cache_manager.stats()
-        self.stats.record_prefix_counters(kv.prefix_queries, kv.prefix_hits)
+        # The counters alone: the full stats() would also build the pool's, every step.
+        counters = self.kv_cache_manager.counters
+        self.stats.record_prefix_counters(counters.queries, counters.hits)
         prompt_tokens = self._prompt_tokens_scheduled(sched.num_scheduled_tokens)
         touched: dict[str, ParentState] = {}
         try:

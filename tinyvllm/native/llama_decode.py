@@ -142,6 +142,7 @@ class LlamaDecodeProgram:
     def __init__(self, ops: NativeCpuOps, model: TvModel, layers: ctypes.Array, keep: list):
         self.ops = ops
         self._model = model
+        self._model_ref = ctypes.byref(model)  # made once: the step passes it every call
         self._layers = layers
         self._keep = keep  # tensors whose memory the program points into
         self.hidden_size = int(model.hidden)
@@ -217,7 +218,7 @@ class LlamaDecodeProgram:
             slots = recurrent.state_indices.data_ptr()
             initial = recurrent.has_initial_state.data_ptr()
         status = self._fn(
-            ctypes.byref(self._model), t, query_start_loc.shape[0] - 1, input_ids.data_ptr(),
+            self._model_ref, t, query_start_loc.shape[0] - 1, input_ids.data_ptr(),
             positions.data_ptr(), slot_mapping.data_ptr(), query_start_loc.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), slots, initial, out.data_ptr(),
         )  # fmt: skip

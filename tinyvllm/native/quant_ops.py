@@ -73,7 +73,8 @@ class QuantKernels:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`linear` through tv_linear_any whatever the row count."""
-        x = x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
         m, k = x.shape
         if bias is not None and bias.dtype not in _DTYPE_FORMATS:
             bias = bias.float()

@@ -118,7 +118,8 @@ def _native_linear(
 ) -> torch.Tensor:
     # The kernels take fp32 or bf16 activations; anything else computes in fp32.
     xk = x if format_code(x.dtype) is not None else x.float()
-    return kernels_.linear(xk, code, weight, weight.shape[0], bias).to(x.dtype)
+    out = kernels_.linear(xk, code, weight, weight.shape[0], bias)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class GGUFBlocks(PackedWeight):

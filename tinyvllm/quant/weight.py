@@ -123,6 +123,9 @@ class QuantizedWeight(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features] @ W^T (+ bias) -> [..., out_features]."""
+        if x.dim() == 2 and x.shape[1] == self.in_features:
+            # Rows already: no reshape round trip (two dispatches per call on the decode path).
+            return self._checked().linear(x, bias)
         y = self._checked().linear(x.reshape(-1, self.in_features), bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
