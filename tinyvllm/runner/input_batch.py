@@ -170,7 +170,7 @@ def _prepare_decode(
     )
     per_token = (
         torch.from_numpy(rows),
-        torch.ones(num_reqs, dtype=torch.int64),
+        torch.from_numpy(np.ones(num_reqs, dtype=np.int64)),
         torch.from_numpy(input_ids),
         torch.from_numpy(positions),
     )
