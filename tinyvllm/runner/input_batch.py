@@ -138,48 +138,63 @@ def _prepare_decode(
     states: RequestStates, req_ids: list[str], row_list: list[int], block_size: int
 ) -> InputBatch:
     """`prepare_inputs` of a CPU step that schedules one token per request: the general
-    path's values (dtypes and contiguity included) from a dozen numpy ops instead of ~30
-    torch ops. Request i's token is its token at position num_computed, and it is token i of
-    the flat batch."""
+    path's values (dtypes and contiguity included). Request i's token is its token at position
+    num_computed, and it is token i of the flat batch.
+
+    Why scalar reads of the rows' numpy views rather than tensor ops: a decode step's time
+    outside the model is mostly cache misses (the weights have just streamed through the
+    caches), which grow with the variety of code a step runs more than with its amount; a few
+    reads per request and one kind of array constructor touch far less than ~30 torch ops."""
+    computed, token_ids, num_tokens = (
+        states.np_num_computed_tokens,
+        states.np_token_ids,
+        states.np_num_tokens,
+    )
+    table = states.np_block_table
+    positions: list[int] = []
+    input_ids: list[int] = []
+    slots: list[int] = []
+    sample_list: list[int] = []
+    for i, row in enumerate(row_list):
+        pos = int(computed[row])
+        positions.append(pos)
+        input_ids.append(int(token_ids[row, pos]))
+        slots.append(int(table[row, pos // block_size]) * block_size + pos % block_size)
+        # The last known token samples; a one-token prompt chunk short of the prompt's end
+        # does not.
+        if pos + 1 >= num_tokens[row]:
+            sample_list.append(i)
     num_reqs = len(row_list)
-    rows = np.array(row_list, dtype=np.int64)
-    positions = states.np_num_computed_tokens[rows]  # a copy: the runner advances the views
-    input_ids = states.np_token_ids[rows, positions]
-    block_ids = states.np_block_table[rows, positions // block_size].astype(np.int64)
-    slot_mapping = block_ids * block_size + positions % block_size
-    seq_lens = positions + 1
-    seq_lens_cpu = seq_lens.tolist()
+    seq_lens_cpu = [pos + 1 for pos in positions]
     max_seq_len = max(seq_lens_cpu)
-    block_table = np.ascontiguousarray(states.np_block_table[rows, : -(-max_seq_len // block_size)])
-    # Requests whose token is the last one known sample; a prompt chunk of one token that
-    # does not reach the end of the prompt does not.
-    sample_idx = np.flatnonzero(seq_lens >= states.np_num_tokens[rows])
-    query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+    block_table = np.ascontiguousarray(table[row_list, : -(-max_seq_len // block_size)])
+    query_start_loc_cpu = list(range(num_reqs + 1))
     metadata = AttentionMetadata(
         num_reqs=num_reqs,
         num_actual_tokens=num_reqs,
-        query_start_loc=torch.from_numpy(query_start_loc),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+        query_start_loc=_tensor(query_start_loc_cpu, np.int32),
+        seq_lens=_tensor(seq_lens_cpu, np.int32),
         block_table=torch.from_numpy(block_table),
-        slot_mapping=torch.from_numpy(slot_mapping),
+        slot_mapping=_tensor(slots, np.int64),
         max_query_len=1,
         max_seq_len=max_seq_len,
-        query_start_loc_cpu=query_start_loc.tolist(),
+        query_start_loc_cpu=query_start_loc_cpu,
         seq_lens_cpu=seq_lens_cpu,
         block_size=block_size,
     )
     per_token = (
-        torch.from_numpy(rows),
-        torch.from_numpy(np.ones(num_reqs, dtype=np.int64)),
-        torch.from_numpy(input_ids),
-        torch.from_numpy(positions),
+        _tensor(row_list, np.int64),
+        _tensor([1] * num_reqs, np.int64),
+        _tensor(input_ids, np.int64),
+        _tensor(positions, np.int64),
     )
-    sample_idx = sample_idx.astype(np.int64, copy=False)
     # Token i is request i's: the sampled tokens' flat indices are the requests'.
-    logits_indices = torch.from_numpy(sample_idx.copy())
-    return _batch(
-        req_ids, row_list, per_token, metadata, torch.from_numpy(sample_idx), logits_indices
-    )
+    sample_idx, logits_indices = _tensor(sample_list, np.int64), _tensor(sample_list, np.int64)
+    return _batch(req_ids, row_list, per_token, metadata, sample_idx, logits_indices)
+
+
+def _tensor(values: list[int], dtype: type[np.integer]) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def _device_positions_and_slots(

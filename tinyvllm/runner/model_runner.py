@@ -13,7 +13,6 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from tinyvllm.config import EngineConfig
@@ -208,9 +207,8 @@ class ModelRunner:
         drafts = sched.scheduled_spec_decode_tokens
         if drafts:
             Speculator.write_drafts(states, drafts)
-        batch = prepare_inputs(
-            states, req_ids, list(scheduled.values()), self.block_size, self.device
-        )
+        num_scheduled = list(scheduled.values())
+        batch = prepare_inputs(states, req_ids, num_scheduled, self.block_size, self.device)
         hidden = self._forward(batch)
         if self.draft is not None:
             self.draft.follow_batch(batch)
@@ -223,8 +221,9 @@ class ModelRunner:
             sampled, logprobs, spec_counts = self._verify(batch, hidden, drafts)
         elif batch.sample_list:
             sampled, logprobs = self._sample(batch, hidden)
-        # A batch's rows are distinct, so an indexed += adds once per row.
-        states.np_num_computed_tokens[batch.rows.numpy()] += batch.num_scheduled.numpy()
+        computed = states.np_num_computed_tokens
+        for row, n in zip(batch.row_list, num_scheduled, strict=True):
+            computed[row] += n
         for i, rid in enumerate(req_ids):
             if sampled[i] and sampled[i][0] < 0:  # its logits were not finite
                 failed[rid] = NON_FINITE_LOGITS
@@ -365,11 +364,12 @@ class ModelRunner:
         return sampled, logprobs, spec_counts
 
     def _append_tokens(self, rows: list[int], tokens: list[int]) -> None:
-        states = self.states
-        index = np.array(rows, dtype=np.int64)
-        pos = states.np_num_tokens[index]
-        states.np_token_ids[index, pos] = tokens
-        states.np_num_tokens[index] = pos + 1
+        # Scalar writes to the numpy views (a decode step's few rows; see _prepare_decode).
+        token_ids, num_tokens = self.states.np_token_ids, self.states.np_num_tokens
+        for row, token in zip(rows, tokens, strict=True):
+            pos = num_tokens[row]
+            token_ids[row, pos] = token
+            num_tokens[row] = pos + 1
 
     def _prompt_logprobs(
         self, batch: InputBatch, hidden: torch.Tensor
