@@ -113,3 +113,12 @@ def test_native_backend_attends_equal_fresh_bf16_prompts_with_the_kernel(
     out = backend.forward(case.layer, case.query, case.key, case.value, cache, case.metadata)
     assert calls[0] == amx_calls
     assert max_error(out, reference_attention(case, cache)) < 2e-2
+
+
+def test_torch_openmp_team_and_thread_pool_give_the_same_bits(kernel: AmxPrefillAttention) -> None:
+    # The kernel runs its items on torch's OpenMP team (whose workers spin right after the
+    # preceding GEMM) where it finds torch's runtime, else on the library's pool.
+    assert kernel.omp_parallel is not None  # torch's CPU wheels run on OpenMP
+    q, k, v = _fused_qkv(torch.Generator().manual_seed(3), 4 * 96, 9, 3)
+    pool = AmxPrefillAttention(kernel.lib, kernel.num_threads, None)
+    assert torch.equal(kernel(q, k, v, 96, 0.125), pool(q, k, v, 96, 0.125))

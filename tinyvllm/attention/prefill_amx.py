@@ -10,6 +10,8 @@ projection (no transposes or copies) and skips key tiles past each block's diago
 from __future__ import annotations
 
 import ctypes
+import os
+from pathlib import Path
 
 import torch
 
@@ -17,15 +19,48 @@ import torch
 HEAD_DIM = 64
 
 
+def torch_omp_parallel() -> int | None:
+    """The address of GOMP_parallel in the OpenMP runtime torch runs its ops on (None: torch
+    uses none, or it cannot be told apart from another one loaded here)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    rows = (line.split(maxsplit=5) for line in maps.splitlines())
+    paths = sorted(
+        {r[5] for r in rows if len(r) == 6 and Path(r[5]).name.startswith(("libgomp", "libiomp5"))}
+    )
+    # Torch's own copy where it ships one; any other runtime only when it is the only one.
+    torch_dir = str(Path(torch.__file__).resolve().parent.parent)
+    own = [path for path in paths if path.startswith(torch_dir)]
+    candidates = own or (paths if len(paths) == 1 else [])
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # never a second copy
+        except OSError:
+            continue
+        fn = getattr(lib, "GOMP_parallel", None)
+        if fn is not None:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
 class AmxPrefillAttention:
-    def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, num_threads: int, omp_parallel: int | None) -> None:
         self.lib = lib
         self.num_threads = num_threads
+        # Where the kernel runs its items: torch's OpenMP team (see prefill_attn_amx.cpp), or
+        # the library's thread pool when None.
+        self.omp_parallel = omp_parallel
 
     @classmethod
     def load(cls, lib: ctypes.CDLL, num_threads: int) -> AmxPrefillAttention | None:
         """The kernel where the CPU has AMX-BF16 and the OS grants its tiles (None elsewhere)."""
-        return cls(lib, num_threads) if lib.tv_prefill_attn_amx_supported() else None
+        if not lib.tv_prefill_attn_amx_supported():
+            return None
+        return cls(lib, num_threads, torch_omp_parallel())
 
     @staticmethod
     def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -57,6 +92,6 @@ class AmxPrefillAttention:
         self.lib.tv_prefill_attn_amx(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
             t // length, length, hq, k.shape[1],
-            q.stride(0), k.stride(0), out.stride(0), scale, self.num_threads,
+            q.stride(0), k.stride(0), out.stride(0), scale, self.num_threads, self.omp_parallel,
         )  # fmt: skip
         return out

@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "avx512_math.h"
@@ -261,6 +262,33 @@ TV_AMX void attend_block(const Shape& s, int64_t item) {
   _tile_release();
 }
 
+// libgomp's entry for `#pragma omp parallel` (GOMP_parallel): fn(data) on every thread of a
+// team of num_threads, the caller among them.
+using OmpParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
+
+// Runs f(i) for i in [0, n): on torch's OpenMP team when `omp` is given, else on the thread
+// pool. Items are claimed one at a time either way.
+template <class F>
+void run_items(OmpParallelFn omp, int64_t n, int nthreads, F&& f) {
+  if (omp == nullptr) {
+    parallel_for(n, nthreads, f);
+    return;
+  }
+  struct Ctx {
+    std::atomic<int64_t> next{0};
+    int64_t n;
+    F* f;
+  } ctx;
+  ctx.n = n;
+  ctx.f = &f;
+  omp(
+      [](void* c) {
+        Ctx* x = static_cast<Ctx*>(c);
+        for (int64_t i = x->next.fetch_add(1); i < x->n; i = x->next.fetch_add(1)) (*x->f)(i);
+      },
+      &ctx, static_cast<unsigned>(nthreads), 0);
+}
+
 }  // namespace
 }  // namespace tv
 
@@ -275,10 +303,15 @@ extern "C" int tv_prefill_attn_amx_supported() {
 }
 
 // See the top of the file; call only where tv_prefill_attn_amx_supported() returned 1.
+// `omp_parallel`: the address of GOMP_parallel in the OpenMP runtime torch runs its ops on, or
+// null for the library's thread pool. Why torch's team: this call sits between torch GEMMs,
+// after which torch's OpenMP workers spin (by default for milliseconds) on the cores the
+// pool's workers would need; its own team picks the work up instead.
 extern "C" void tv_prefill_attn_amx(const void* q, const void* k, const void* v, void* out,
                                     int64_t B, int64_t L, int64_t Hq, int64_t Hkv,
                                     int64_t q_stride, int64_t kv_stride, int64_t out_stride,
-                                    float scale, int nthreads) {
+                                    float scale, int nthreads, const void* omp_parallel) {
+  const auto omp = reinterpret_cast<tv::OmpParallelFn>(const_cast<void*>(omp_parallel));
   tv::Shape s{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
               static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), B, L, Hq, Hkv,
               q_stride, kv_stride, out_stride, scale, 0, nullptr, nullptr};
@@ -287,8 +320,8 @@ extern "C" void tv_prefill_attn_amx(const void* q, const void* k, const void* v,
   uint32_t* buf = static_cast<uint32_t*>(tv::checked_aligned_alloc(2 * packed * 4));
   s.kt = buf;
   s.vv = buf + packed;
-  tv::parallel_for(B * Hkv, nthreads, [&](int64_t i) { tv::repack(s, i); });
+  tv::run_items(omp, B * Hkv, nthreads, [&](int64_t i) { tv::repack(s, i); });
   const int64_t blocks = (L + tv::kBlockRows - 1) / tv::kBlockRows;
-  tv::parallel_for(B * Hq * blocks, nthreads, [&](int64_t i) { tv::attend_block(s, i); });
+  tv::run_items(omp, B * Hq * blocks, nthreads, [&](int64_t i) { tv::attend_block(s, i); });
   free(buf);
 }
