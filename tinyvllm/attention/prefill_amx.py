@@ -89,9 +89,12 @@ class AmxPrefillAttention:
         returns [T, Hq, 64] bf16. Call only where `fits` holds."""
         t, hq, _ = q.shape
         out = torch.empty((t, hq, HEAD_DIM), dtype=q.dtype)
+        # On torch's team, as many threads as torch's own ops of this step use (the platform
+        # runs long steps on one thread while another program holds a core).
+        threads = self.num_threads if self.omp_parallel is None else torch.get_num_threads()
         self.lib.tv_prefill_attn_amx(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
             t // length, length, hq, k.shape[1],
-            q.stride(0), k.stride(0), out.stride(0), scale, self.num_threads, self.omp_parallel,
+            q.stride(0), k.stride(0), out.stride(0), scale, threads, self.omp_parallel,
         )  # fmt: skip
         return out
