@@ -16,6 +16,7 @@ from tinyvllm.attention.backend import AttentionBackend
 from tinyvllm.attention.layer import Attention
 from tinyvllm.config import CacheConfig
 from tinyvllm.models.layers.recurrent import RecurrentLayer
+from tinyvllm.utils.memory import keep_freed_heap_mapped
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ _CPU_MAX_FRACTION = 0.25
 # A hybrid model whose user left max_num_seqs at its default gets at most 1/this of the cache
 # budget for running recurrent-state slots (snapshots take up to another quarter).
 _RUNNING_SHARE = 4
+# Freed heap memory the C allocator keeps mapped for the next CPU step's activations (see
+# keep_freed_heap_mapped): a 4,096-token step of a ~100M-parameter model needs well under this.
+_STEP_HEAP_RETAINED_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,9 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
+    if device.type == "cpu":
+        # The model is loaded; from here on, steps' activations reuse their heap pages.
+        keep_freed_heap_mapped(_STEP_HEAP_RETAINED_BYTES)
     caches = []
     for layer in layers:
         shape = backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
