@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,22 +63,19 @@ class Platform:
         """Called after the step `start_step` began, also when it raised."""
 
     @contextlib.contextmanager
-    def native_step(self, num_tokens: int) -> Iterator[None]:
-        """`start_step` / `finish_step` around a native step."""
-        self.start_step(num_tokens, True)
+    def stepping(self, num_tokens: int, native: bool) -> Iterator[None]:
+        """`start_step` / `finish_step` around a block (for callers off the hot path)."""
+        self.start_step(num_tokens, native)
         try:
             yield
         finally:
             self.finish_step()
 
-    @contextlib.contextmanager
-    def torch_step(self, num_tokens: int) -> Iterator[None]:
-        """`start_step` / `finish_step` around a torch step."""
-        self.start_step(num_tokens, False)
-        try:
-            yield
-        finally:
-            self.finish_step()
+    def native_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        return self.stepping(num_tokens, True)
+
+    def torch_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        return self.stepping(num_tokens, False)
 
     def routes_to_program(self, num_tokens: int) -> bool:
         """Whether a step the decode program supports runs on it rather than on the model's
