@@ -123,3 +123,36 @@ def test_generate_holds_inference_mode_across_steps(tiny_models) -> None:
     while llm.engine.has_unfinished_requests():
         llm.engine.step()  # a caller without inference mode
     assert at_entry and not any(at_entry) and all(inside)
+
+
+@native_only
+def test_decode_steps_in_a_row_set_torch_threads_once(
+    tiny_models, two_torch_threads, monkeypatch
+) -> None:
+    """Within LLM.generate each decode step would set torch to one thread and back (two calls
+    a step); steps in a row leave it at one until a step wants another count or the loop
+    ends, which restores the caller's count."""
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64)
+    seen = _record_steps(llm)
+    calls: list[int] = []
+    set_threads = torch.set_num_threads
+
+    def counted(count: int) -> None:
+        calls.append(count)
+        set_threads(count)
+
+    monkeypatch.setattr(torch, "set_num_threads", counted)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
+    assert len(seen) == 12 and {threads for _, threads, _ in seen} == {1}
+    assert calls == [1, 2]  # into the first step, back when generate returns
+    assert torch.get_num_threads() == 2
+    calls.clear()
+    llm.engine.runner._execute_model = _raising  # the engine fails the step's requests
+    (out,) = llm.generate([{"prompt_token_ids": [4, 5, 6]}], sp, use_tqdm=False)
+    assert "boom" in (out.error or "")
+    assert calls == [1, 2]  # restored when a step raised too
+
+
+def _raising(sched: Any) -> Any:
+    raise RuntimeError("boom")

@@ -226,7 +226,7 @@ class LLM:
         try:
             # Held across the steps, so the runner does not enter it per step (~30 us a
             # decode step once the weights have streamed through the caches).
-            with torch.inference_mode():
+            with torch.inference_mode(), self.engine.runner.platform.steps_in_a_row():
                 self._step_until_done(request_ids, results, bar)
         except BaseException:
             self.engine.abort_request([r for r in request_ids if r not in results])

@@ -3,8 +3,10 @@ of GEMM weights where the CPU has no bf16 matmul."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -52,6 +54,8 @@ class CpuPlatform(Platform):
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
         )
+        # Inside `steps_in_a_row`: torch's thread count before the block (0: outside one).
+        self._threads_before_steps = 0
         # The step in progress (one at a time), from `start_step` for `finish_step`.
         self._step_tokens = self._step_start = self._step_restore_threads = 0
         self._step_native = self._step_gemms = self._step_chooses_threads = False
@@ -67,6 +71,21 @@ class CpuPlatform(Platform):
     def routes_to_program(self, num_tokens: int) -> bool:
         route = self.decode_route
         return route is None or route.takes_program(num_tokens)
+
+    @contextlib.contextmanager
+    def steps_in_a_row(self) -> Iterator[None]:
+        # Decode steps keep torch at one thread: without the block each one sets it and sets
+        # it back (~25 us a step once the weights have streamed through the caches).
+        if self._threads_before_steps:  # nested: the outer block restores
+            yield
+            return
+        self._threads_before_steps = torch.get_num_threads()
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != self._threads_before_steps:
+                torch.set_num_threads(self._threads_before_steps)
+            self._threads_before_steps = 0
 
     def start_step(self, num_tokens: int, native: bool) -> None:
         native_ops = self.native
@@ -89,9 +108,11 @@ class CpuPlatform(Platform):
                 native_ops.gemv_linears = False
                 self._step_gemms = True
             threads = self._torch_step_threads(num_tokens)
-        # Set only where it changes (then restored by `finish_step`; 0: nothing to restore).
+        # Set only where it changes (then restored by `finish_step`; 0: nothing to restore,
+        # or steps in a row: the next step sets what it needs, the block's end restores).
         before = torch.get_num_threads()
-        self._step_restore_threads = before if threads != before else 0
+        held = self._threads_before_steps
+        self._step_restore_threads = before if threads != before and not held else 0
         if threads != before:
             torch.set_num_threads(threads)
         self._step_start = time.perf_counter_ns()

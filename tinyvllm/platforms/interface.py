@@ -62,6 +62,11 @@ class Platform:
     def finish_step(self) -> None:
         """Called after the step `start_step` began, also when it raised."""
 
+    def steps_in_a_row(self) -> AbstractContextManager[None]:
+        """Wraps steps run back to back (LLM.generate's loop): state a step sets for itself
+        (torch's thread count on CPU) may stay between them, restored when the block ends."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def stepping(self, num_tokens: int, native: bool) -> Iterator[None]:
         """`start_step` / `finish_step` around a block (for callers off the hot path)."""
