@@ -8,8 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from tinyvllm.config import EngineArgs
 from tinyvllm.engine.engine import PromptType, check_text
 from tinyvllm.engine.factory import create_engine
@@ -223,6 +221,8 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        import torch  # here: `import tinyvllm` leaves torch unloaded
+
         try:
             # Held across the steps, so the runner does not enter it per step (~30 us a
             # decode step once the weights have streamed through the caches).
