@@ -83,6 +83,38 @@ def test_cached_free_blocks_are_reused_then_evicted_in_lru_order() -> None:
     pool.check_invariants()
 
 
+def test_used_plain_blocks_go_before_fresh_ones_and_fresh_before_evictions() -> None:
+    # The CPU KV cache maps its pages on first write: a block that held KV before is reused
+    # before a never-used one (no page faults in the step), and a never-used one before a
+    # cached prefix is evicted.
+    pool = BlockPool(8)
+    cached, plain = pool.allocate(2), pool.allocate(2)
+    pool.cache_block(cached[0], b"\x01" * 32)
+    pool.free(cached[::-1])
+    pool.free(plain[::-1])
+    # cached[1] held no hash: plain free since it was freed (first).
+    assert pool.allocate(3) == [cached[1], plain[1], plain[0]]
+    assert pool.allocate(4) == [4, 5, 6, 7]
+    assert pool.num_evictions == 0 and pool.lookup(b"\x01" * 32) == cached[0]
+    assert pool.allocate(1) == [cached[0]] and pool.num_evictions == 1
+    pool.check_invariants()
+
+
+def test_forgotten_and_reset_blocks_are_reused_before_fresh_ones() -> None:
+    pool = BlockPool(6)
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, bytes([i]) * 32)
+    pool.free(blocks)
+    pool.forget(bytes([2]) * 32)
+    assert pool.allocate(1) == [blocks[2]] and pool.num_evictions == 0
+    pool.reset_prefix_cache()
+    pool.check_invariants()
+    assert pool.allocate(2) == blocks[:2]
+    assert pool.allocate(1) == [3]
+    pool.check_invariants()
+
+
 def test_duplicate_content_keeps_first_copy() -> None:
     pool = BlockPool(2)
     a, b = pool.allocate(2)

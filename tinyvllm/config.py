@@ -125,7 +125,8 @@ class DeviceConfig:
     # The plain PyTorch path: no CUDA graphs on GPU, no native library at all on CPU (see
     # tinyvllm/platforms/).
     enforce_eager: bool = False
-    # Bytes the CPU platform may spend on fp32 copies of bf16 GEMM weights (None: no limit).
+    # Bytes the CPU platform may spend on GEMM copies of bf16 weights (None: no limit): fp32
+    # copies without bf16 matmul, oneDNN-prepacked bf16 copies with it (AMX).
     fp32_weight_copy_bytes: int | None = None
 
 
@@ -181,8 +182,9 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     # CPUs without bf16 matmul (AVX2) run batched bf16 GEMMs on fp32 copies of the weights
-    # (2x the bf16 bytes), made at a layer's first batched GEMM: at most this many bytes of
-    # them (None: no limit; 0: none, batched GEMMs then run in bf16, slower, no extra memory).
+    # (2x the bf16 bytes), made at a layer's first batched GEMM; CPUs with it (AMX) run batched
+    # decode GEMMs on copies prepacked in oneDNN's layout (1x, same results): at most this many
+    # bytes of them (None: no limit; 0: none, those GEMMs then run slower, no extra memory).
     fp32_weight_copy_bytes: int | None = None
     # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | None = None

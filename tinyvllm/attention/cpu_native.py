@@ -1,13 +1,15 @@
 """CPU attention backend that runs decode-only steps through the native kernels.
 
 Decode reads K/V straight from the paged cache through the block table (no gather, no
-layout copy, no mask tensor); steps that contain a prefill chunk take the torch backend's
-path unchanged.
+layout copy, no mask tensor). In steps that also hold prefill chunks, the chunks take the torch
+backend's path and the step's decode queries still take the kernel (the torch path would
+gather and pad each decode group's whole context, every layer).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -25,6 +27,16 @@ class _NativeDecodePlan:
     torch_plan: object  # the torch backend's plan, for layers the kernel cannot take
 
 
+@dataclass
+class _MixedPlan:
+    """A step of prefill chunks and decode queries: the kernel takes the decode queries."""
+
+    token_idx: torch.Tensor  # [n] int64 flattened token of each decode query
+    rows: torch.Tensor  # [n] int64 batch row of each
+    torch_plan: Any  # the torch backend's plan of the whole step, for layers the kernel cannot take
+    prefill_plan: Any  # the same without its decode queries
+
+
 class NativeCpuAttentionBackend(TorchAttentionBackend):
     name = "cpu_native"
 
@@ -35,10 +47,22 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
         super().plan(metadata)
         qsl = metadata.query_start_loc_cpu
         decode_only = metadata.max_query_len == 1 and qsl[-1] == metadata.num_reqs
-        if decode_only and getattr(metadata, "bidirectional_ranges", None) is None:
+        if getattr(metadata, "bidirectional_ranges", None) is not None:
+            return
+        if decode_only:
             n = metadata.num_reqs
             idx = torch.arange(n, dtype=torch.int64)
             metadata.plan = _NativeDecodePlan(idx, idx, metadata.plan)
+            return
+        torch_plan = metadata.plan
+        if getattr(torch_plan, "decode_groups", None):
+            rows = [i for i in range(metadata.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+            metadata.plan = _MixedPlan(
+                token_idx=torch.tensor([qsl[i] for i in rows], dtype=torch.int64),
+                rows=torch.tensor(rows, dtype=torch.int64),
+                torch_plan=torch_plan,
+                prefill_plan=replace(torch_plan, decode_groups=[]),
+            )
 
     def _native_ok(self, layer: Attention, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
@@ -59,17 +83,22 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         plan = metadata.plan
-        if not isinstance(plan, _NativeDecodePlan):
+        if not isinstance(plan, _NativeDecodePlan | _MixedPlan):
             return super().forward(layer, query, key, value, kv_cache, metadata)
         if not self._native_ok(layer, query, kv_cache) or key.stride(2) != 1:
-            metadata.plan = plan.torch_plan
-            try:
-                return super().forward(layer, query, key, value, kv_cache, metadata)
-            finally:
-                metadata.plan = plan
-        n = metadata.num_actual_tokens
-        self.ops.store_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
-        out = torch.empty(query.shape, dtype=query.dtype)
+            return self._with_plan(plan.torch_plan, layer, query, key, value, kv_cache, metadata)
+        if isinstance(plan, _MixedPlan):
+            # The torch path stores every token's K/V and attends the prefill chunks; the
+            # decode rows of its output are left for the kernel.
+            out = self._with_plan(plan.prefill_plan, layer, query, key, value, kv_cache, metadata)
+            if not out.is_contiguous():  # not a fresh step-wide buffer: let torch do it all
+                return self._with_plan(
+                    plan.torch_plan, layer, query, key, value, kv_cache, metadata
+                )
+        else:
+            n = metadata.num_actual_tokens
+            self.ops.store_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+            out = torch.empty(query.shape, dtype=query.dtype)
         self.ops.paged_decode(
             query,
             out,
@@ -83,3 +112,20 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
             layer.logits_soft_cap,
         )
         return out
+
+    def _with_plan(
+        self,
+        plan: object,
+        layer: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The torch backend's forward on `plan` (the step's own plan is kept)."""
+        own, metadata.plan = metadata.plan, plan
+        try:
+            return super().forward(layer, query, key, value, kv_cache, metadata)
+        finally:
+            metadata.plan = own

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tinyvllm.attention.backend import AttentionBackend, AttentionMetadata
 from tinyvllm.attention.layer import Attention
+from tinyvllm.attention.prefill_amx import AmxPrefillAttention
 from tinyvllm.native.ops import MAX_LINEAR_ROWS
 from tinyvllm.utils.cpu import has_native_bf16_matmul
 
@@ -73,6 +74,17 @@ _DECODE_GROUP_TOKENS = 8192
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # The AMX kernel for steps of equal fresh prompts: looked up on first use from the native
+    # library of a subclass that has one (`ops`, NativeCpuAttentionBackend); False: none.
+    _amx_prefill: AmxPrefillAttention | bool | None = None
+
+    def _amx_prefill_kernel(self) -> AmxPrefillAttention | None:
+        kernel = self._amx_prefill
+        if kernel is None:
+            ops = getattr(self, "ops", None)
+            kernel = None if ops is None else AmxPrefillAttention.load(ops.lib, ops.num_threads)
+            self._amx_prefill = kernel or False
+        return kernel or None
 
     def plan(self, metadata: AttentionMetadata) -> None:
         qsl = metadata.query_start_loc_cpu
@@ -175,6 +187,9 @@ class TorchAttentionBackend(AttentionBackend):
                 and uniform * len(plan.prefills) == query.shape[0]  # no padding rows
                 and _plain_causal(layer, uniform)
             ):
+                amx = self._amx_prefill_kernel() if q.dtype == torch.bfloat16 else None
+                if amx is not None and amx.fits(q, key, value):
+                    return amx(q, key, value, uniform, layer.scale)
                 return _uniform_prefill(layer, q, key, value, uniform).to(query.dtype)
             for span in plan.prefills:
                 out[span.start : span.end] = self._prefill(layer, q, key, value, kv_cache, span)

@@ -49,8 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
         "--fp32-weight-copy-bytes",
         type=int,
         default=None,
-        help="CPUs without bf16 matmul: bytes of fp32 GEMM weight copies of a bf16 model "
-        "(default: all layers; 0: none)",
+        help="bytes of GEMM weight copies of a bf16 model on CPU: fp32 copies without bf16 "
+        "matmul, oneDNN-prepacked copies with AMX (default: all layers; 0: none)",
     )
     if draft:
         p.add_argument(

@@ -28,7 +28,7 @@ def select_platform(
 ) -> Platform:
     """The platform for `device`. `enforce_eager` keeps the plain PyTorch path: no CUDA
     graphs, and on CPU no native library at all (torch ops only). `fp32_weight_copy_bytes`
-    caps the CPU's fp32 GEMM weight copies (see EngineArgs)."""
+    caps the CPU's GEMM weight copies, fp32 or prepacked (see EngineArgs)."""
     if device.type == "cpu":
         from tinyvllm.native.ops import NativeCpuOps
         from tinyvllm.platforms.cpu import CpuPlatform

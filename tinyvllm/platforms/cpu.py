@@ -13,7 +13,12 @@ from torch import nn
 
 from tinyvllm.attention.backend import AttentionBackend
 from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
-from tinyvllm.models.layers.linear import Fp32CopyBudget, attach_fp32_gemm_weights
+from tinyvllm.models.layers.linear import (
+    Fp32CopyBudget,
+    attach_fp32_gemm_weights,
+    attach_packed_gemm_weights,
+    packed_gemm_supported,
+)
 from tinyvllm.native.decode_route import DecodeRoute
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
@@ -23,6 +28,14 @@ from tinyvllm.platforms.interface import Platform
 from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
 
 logger = logging.getLogger(__name__)
+
+# Row counts whose bf16 GEMMs run on oneDNN-prepacked weight copies where the CPU has bf16
+# matmul (attach_packed_gemm_weights): decode batches the route sends to the layers, and small
+# mixed steps. Fewer rows run on the native program (a single stream never takes the copies,
+# not even in the route's trials of the layers); a prefill chunk's thousands of rows amortise
+# oneDNN's per-call reorder of the plain weight.
+PACKED_GEMM_MIN_ROWS = 8
+PACKED_GEMM_MAX_ROWS = 256
 
 
 class CpuPlatform(Platform):
@@ -157,6 +170,11 @@ class CpuPlatform(Platform):
                 most / 2**20,
                 "" if limit is None else f", budget {limit / 2**20:.0f} MiB",
             )
+        elif self.dtype == torch.bfloat16 and packed_gemm_supported(self.dtype):
+            most = attach_packed_gemm_weights(
+                model, PACKED_GEMM_MIN_ROWS, PACKED_GEMM_MAX_ROWS, self.fp32_copy_budget
+            )
+            logger.debug("oneDNN-prepacked bf16 weight copies: up to %.0f MiB", most / 2**20)
         if self.native is not None:
             attach_native_ops(model, self.native)
 

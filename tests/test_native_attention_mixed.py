@@ -1,0 +1,63 @@
+"""Steps that mix prefill chunks with decode queries on the native CPU attention backend:
+the chunks take the torch path, the decode queries the paged decode kernel, and every
+token's output matches the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import make_case, max_error, reference_attention
+
+from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
+from tinyvllm.native import NativeCpuOps
+from tinyvllm.native.build import unsupported_reason
+
+pytestmark = pytest.mark.skipif(
+    unsupported_reason() is not None, reason="native kernels unavailable"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+def test_mixed_step_decodes_on_the_kernel(
+    dtype: torch.dtype, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ops = NativeCpuOps.load()
+    assert ops is not None
+    backend = NativeCpuAttentionBackend(ops)
+    decoded: list[list[int]] = []
+    kernel = ops.paged_decode
+
+    def counted(query, out, token_idx, *args):
+        decoded.append(token_idx.tolist())
+        return kernel(query, out, token_idx, *args)
+
+    monkeypatch.setattr(ops, "paged_decode", counted)
+    gen = torch.Generator().manual_seed(11)
+    # A fresh prompt, decodes with short and block-crossing contexts, a chunk with context.
+    case = make_case(
+        gen,
+        query_lens=[1, 7, 1, 1, 12],
+        context_lens=[30, 0, 50, 4, 20],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+        sliding_window=window,
+    )
+    md = case.metadata
+    backend.plan(md)
+    cache = case.kv_cache.clone()
+    out = backend.forward(case.layer, case.query, case.key, case.value, cache, md)
+    assert decoded == [[0, 8, 9]]  # the three decode queries, by their token index
+    assert torch.equal(cache, case.expected_cache())
+    want = reference_attention(case, cache)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert max_error(out, want) < tol
+
+    # Each decode query's output is the kernel's: as in a decode-only step of those rows.
+    alone = torch.zeros_like(out)
+    idx = torch.tensor([0, 8, 9])
+    kernel(case.query, alone, idx, torch.tensor([0, 2, 3]), md.seq_lens, md.block_table,
+           cache, case.layer.scale, window, None)  # fmt: skip
+    assert torch.equal(out[idx], alone[idx])

@@ -1,0 +1,100 @@
+"""Causal prefill attention of equally long fresh prompts on AMX tiles (native
+prefill_attn_amx.cpp), for the torch backend's one-call path over such steps.
+
+Why: torch's CPU flash SDPA ran a batch of 8 x 512-token prompts of a SmolLM2-135M-shaped model
+at ~0.3 TFLOP/s in bf16, a quarter of the step, while the step's GEMMs run at ~2.8 TFLOP/s on
+the same AMX units. The kernel reads q / k / v in place from the rows of the fused qkv
+projection (no transposes or copies) and skips key tiles past each block's diagonal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+# The kernel's head_dim (SmolLM2, Llama 3.2 1B, TinyLlama); other models keep torch's SDPA.
+HEAD_DIM = 64
+
+
+def torch_omp_parallel() -> int | None:
+    """The address of GOMP_parallel in the OpenMP runtime torch runs its ops on (None: torch
+    uses none, or it cannot be told apart from another one loaded here)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    rows = (line.split(maxsplit=5) for line in maps.splitlines())
+    paths = sorted(
+        {r[5] for r in rows if len(r) == 6 and Path(r[5]).name.startswith(("libgomp", "libiomp5"))}
+    )
+    # Torch's own copy where it ships one; any other runtime only when it is the only one.
+    torch_dir = str(Path(torch.__file__).resolve().parent.parent)
+    own = [path for path in paths if path.startswith(torch_dir)]
+    candidates = own or (paths if len(paths) == 1 else [])
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # never a second copy
+        except OSError:
+            continue
+        fn = getattr(lib, "GOMP_parallel", None)
+        if fn is not None:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+class AmxPrefillAttention:
+    def __init__(self, lib: ctypes.CDLL, num_threads: int, omp_parallel: int | None) -> None:
+        self.lib = lib
+        self.num_threads = num_threads
+        # Where the kernel runs its items: torch's OpenMP team (see prefill_attn_amx.cpp), or
+        # the library's thread pool when None.
+        self.omp_parallel = omp_parallel
+
+    @classmethod
+    def load(cls, lib: ctypes.CDLL, num_threads: int) -> AmxPrefillAttention | None:
+        """The kernel where the CPU has AMX-BF16 and the OS grants its tiles (None elsewhere)."""
+        if not lib.tv_prefill_attn_amx_supported():
+            return None
+        return cls(lib, num_threads, torch_omp_parallel())
+
+    @staticmethod
+    def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """q [T, Hq, 64], k / v [T, Hkv, 64] in bf16 whose heads are contiguous within a row
+        (views of a fused projection's rows are), Hq a multiple of Hkv."""
+        if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
+            return False
+        if q.device.type != "cpu" or q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            return False
+        hq, hkv = q.shape[1], k.shape[1]
+        return (
+            q.shape[2] == HEAD_DIM
+            and k.shape[2] == HEAD_DIM
+            and v.shape == k.shape
+            and hkv > 0
+            and hq % hkv == 0
+            and all(t.stride(2) == 1 and t.stride(1) == HEAD_DIM for t in (q, k, v))
+            and k.stride(0) == v.stride(0)
+            and k.stride(0) % 2 == 0  # K rows are gathered as 32-bit pairs
+        )
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of T / length prompts of `length` tokens laid out back to back;
+        returns [T, Hq, 64] bf16. Call only where `fits` holds."""
+        t, hq, _ = q.shape
+        out = torch.empty((t, hq, HEAD_DIM), dtype=q.dtype)
+        # On torch's team, as many threads as torch's own ops of this step use (the platform
+        # runs long steps on one thread while another program holds a core).
+        threads = self.num_threads if self.omp_parallel is None else torch.get_num_threads()
+        self.lib.tv_prefill_attn_amx(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            t // length, length, hq, k.shape[1],
+            q.stride(0), k.stride(0), out.stride(0), scale, threads, self.omp_parallel,
+        )  # fmt: skip
+        return out
