@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import json
 import os
@@ -114,7 +113,8 @@ def tinyvllm_runners(
         # modes; the native pool alone switches to the caller when its workers stall.
         plain = LLM(model=str(model_dir), **engine_kwargs)
         platform = plain.engine.runner.platform
-        platform.native_step = platform.torch_step = lambda tokens: contextlib.nullcontext()
+        platform.start_step = lambda tokens, native: None
+        platform.finish_step = lambda: None
         runners["tinyvllm LLM.generate, pool switch only"] = generate_runner(plain, params)
     if "generate" in modes:
         runners["tinyvllm LLM.generate"] = generate_runner(

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tinyvllm.config import SchedulerConfig
+from tinyvllm.core.chunk_bounds import round_hit, shape_chunk
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.outputs import (
     CachedRequestData,
@@ -154,7 +155,7 @@ class Scheduler:
             request = self.running[i]
             # A streaming-input request whose input has not arrived yet is skipped (parked).
             num_new = min(request.num_schedulable_tokens - request.num_computed_tokens, plan.budget)
-            num_new = self._fit_spans(request, self._align_chunk(request, num_new))
+            num_new = shape_chunk(self.kv, request, num_new, self.config.atomic_mm_spans)
             if num_new <= 0:
                 i += 1
                 continue
@@ -206,7 +207,7 @@ class Scheduler:
         hits: list[int] = []
         if request.num_computed_tokens == 0:
             hits, request.num_computed_tokens = self.kv.get_computed_blocks(request)
-            hits = self._round_hit(request, hits)
+            hits = round_hit(request, hits, self.kv.block_size, self.config.atomic_mm_spans)
             request.num_cached_tokens = request.num_computed_tokens
             if self.kv.waits_for_inflight(request, len(hits), plan.inflight):
                 request.num_computed_tokens = 0
@@ -217,7 +218,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return False
             num_new = plan.budget
-        num_new = self._fit_spans(request, self._align_chunk(request, num_new))
+        num_new = shape_chunk(self.kv, request, num_new, self.config.atomic_mm_spans)
         if num_new <= 0:  # the next image span waits for a step with room for all of it
             request.num_computed_tokens = 0
             return False
@@ -260,28 +261,6 @@ class Scheduler:
             cached.appended_prompt_ids[request.request_id] = new
             request.num_runner_prompt_tokens = request.num_prompt_tokens
 
-    def _fit_spans(self, request: Request, num_new: int) -> int:
-        """`num_new` cut so that the chunk splits no media span (`atomic_mm_spans`): it ends
-        before the first span it would cut; 0 when that span starts the chunk."""
-        if not self.config.atomic_mm_spans:
-            return num_new
-        start = request.num_computed_tokens
-        end = start + num_new
-        cut = [f.offset for f in request.mm_features if f.offset < end < f.end]
-        return max(0, min(cut) - start) if cut else num_new
-
-    def _round_hit(self, request: Request, hits: list[int]) -> list[int]:
-        """A prefix-cache hit ending inside a media span, rounded down to the block where the
-        span starts (`atomic_mm_spans`: the span's tokens run in one chunk)."""
-        if not self.config.atomic_mm_spans:
-            return hits
-        n = request.num_computed_tokens
-        for f in request.mm_features:
-            if f.offset < n < f.end:
-                n = f.offset // self.kv.block_size * self.kv.block_size
-        request.num_computed_tokens = n
-        return hits[: n // self.kv.block_size]
-
     def _take(self, plan: _StepPlan, request: Request, num_new: int) -> None:
         plan.num_scheduled[request.request_id] = num_new
         end = request.num_computed_tokens + num_new
@@ -292,28 +271,6 @@ class Scheduler:
         elif self.kv.states is None:
             self._note_inflight_blocks(request, num_new, plan.inflight)
         plan.budget -= num_new
-
-    def _align_chunk(self, request: Request, num_new: int) -> int:
-        """Hybrid models caching state: end a prefill chunk on a block boundary, where its
-        state can be snapshotted. A chunk stops where the KV cache's copy of its prefix ends
-        (another request's prompt diverged there: a shared prefix, worth a snapshot); a chunk
-        cut by the budget ends at the last boundary it reaches; a prompt's final chunk stops
-        at the last boundary before its last token (the next step computes the rest). A
-        boundary whose prefix has a snapshot already is no reason to stop."""
-        if not self.kv.aligns_chunks or request.num_computed_tokens >= request.num_prompt_tokens:
-            return num_new
-        start = request.num_computed_tokens
-        block_size = self.kv.block_size
-        shared_end = self.kv.cached_prefix_end(request, start - start % block_size)
-        if start < shared_end < start + num_new and not self.kv.has_snapshot(request, shared_end):
-            return shared_end - start
-        if start + num_new < request.num_tokens:
-            aligned = (start + num_new) // block_size * block_size
-        else:
-            aligned = (request.num_tokens - 1) // block_size * block_size
-            if aligned > request.num_prompt_tokens or self.kv.has_snapshot(request, aligned):
-                return num_new
-        return aligned - start if aligned > start else num_new
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

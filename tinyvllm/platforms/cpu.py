@@ -25,11 +25,7 @@ from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
 from tinyvllm.platforms.interface import Platform
-from tinyvllm.utils.cpu import (
-    FP32_GEMM_MIN_ROWS,
-    has_native_bf16_matmul,
-    torch_intra_op_threads,
-)
+from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +67,11 @@ class CpuPlatform(Platform):
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
         )
+        # Inside `steps_in_a_row`: torch's thread count before the block (0: outside one).
+        self._threads_before_steps = 0
+        # The step in progress (one at a time), from `start_step` for `finish_step`.
+        self._step_tokens = self._step_start = self._step_restore_threads = 0
+        self._step_native = self._step_gemms = self._step_chooses_threads = False
 
     @property
     def quant_kernels(self) -> QuantKernels | None:
@@ -85,54 +86,79 @@ class CpuPlatform(Platform):
         return route is None or route.takes_program(num_tokens)
 
     @contextlib.contextmanager
-    def native_step(self, num_tokens: int) -> Iterator[None]:
-        if self.native is None:
+    def steps_in_a_row(self) -> Iterator[None]:
+        # Decode steps keep torch at one thread: without the block each one sets it and sets
+        # it back (~25 us a step once the weights have streamed through the caches).
+        if self._threads_before_steps:  # nested: the outer block restores
             yield
             return
-        with self._routed(num_tokens), self.native.step(num_tokens):
+        self._threads_before_steps = torch.get_num_threads()
+        try:
             yield
+        finally:
+            if torch.get_num_threads() != self._threads_before_steps:
+                torch.set_num_threads(self._threads_before_steps)
+            self._threads_before_steps = 0
 
-    @contextlib.contextmanager
-    def _routed(self, num_tokens: int) -> Iterator[None]:
-        """Times a step the decode route picked (either path); other steps pass through."""
-        if self.decode_route is None:
-            yield
-            return
-        with self.decode_route.timed(num_tokens):
-            yield
+    def start_step(self, num_tokens: int, native: bool) -> None:
+        native_ops = self.native
+        self._step_tokens = num_tokens
+        self._step_native = native and native_ops is not None
+        self._step_gemms = self._step_chooses_threads = False
+        if self._step_native:
+            assert native_ops is not None
+            # The native kernels run this step on their own threads (all, or the caller
+            # alone: `step_threads`); torch's OpenMP workers, woken by sampling, would spin
+            # for milliseconds on the same cores.
+            native_ops.lib.tv_pool_govern(native_ops.step_threads.choose(num_tokens))
+            threads = 1
+        else:
+            route = self.decode_route
+            if route is not None and route.take_layers_step():
+                # The route sent this decode step to the layers: their linears go to torch's
+                # GEMMs (the point of the route), timed against the program's steps.
+                assert native_ops is not None
+                native_ops.gemv_linears = False
+                self._step_gemms = True
+            threads = self._torch_step_threads(num_tokens)
+        # Set only where it changes (then restored by `finish_step`; 0: nothing to restore,
+        # or steps in a row: the next step sets what it needs, the block's end restores).
+        before = torch.get_num_threads()
+        held = self._threads_before_steps
+        self._step_restore_threads = before if threads != before and not held else 0
+        if threads != before:
+            torch.set_num_threads(threads)
+        self._step_start = time.perf_counter_ns()
 
-    @contextlib.contextmanager
-    def torch_step(self, num_tokens: int) -> Iterator[None]:
-        route = self.decode_route
-        if route is not None and route.take_layers_step():
-            # The route sent this decode step to the layers: their linears go to torch's
-            # GEMMs (the point of the route), timed against the program's steps.
-            assert self.native is not None
-            timed, gemms = self._routed(num_tokens), self.native.torch_gemms()
-            with timed, gemms, self._torch_threads(num_tokens):
-                yield
-            return
-        with self._torch_threads(num_tokens):
-            yield
-
-    @contextlib.contextmanager
-    def _torch_threads(self, num_tokens: int) -> Iterator[None]:
+    def _torch_step_threads(self, num_tokens: int) -> int:
         if num_tokens > LONG_STEP_TOKENS and self.native is not None:
             # A long step (a prefill chunk, a vision tower over a video) is too dear to try
             # both ways: one trial on one thread costs seconds on a quiet machine (a 2k-token
             # video prefill: 2x). The decode steps' cheap trials already tell whether another
             # program holds a core; follow them.
-            alone = self.native.step_threads.prefers_alone
-            with torch_intra_op_threads(1 if alone else self.torch_threads.threads):
-                yield
-            return
-        threads = self.torch_threads.choose(num_tokens)
-        start = time.perf_counter_ns()
-        try:
-            with torch_intra_op_threads(threads):
-                yield
-        finally:
-            self.torch_threads.record(num_tokens, time.perf_counter_ns() - start)
+            return 1 if self.native.step_threads.prefers_alone else self.torch_threads.threads
+        self._step_chooses_threads = True
+        return self.torch_threads.choose(num_tokens)
+
+    def finish_step(self) -> None:
+        num_tokens = self._step_tokens
+        elapsed = time.perf_counter_ns() - self._step_start
+        if self._step_restore_threads:
+            torch.set_num_threads(self._step_restore_threads)
+        native_ops = self.native
+        if self._step_native:
+            assert native_ops is not None
+            native_ops.step_threads.record(num_tokens, elapsed)
+            native_ops.lib.tv_pool_govern(0)
+        elif self._step_gemms:
+            assert native_ops is not None
+            native_ops.gemv_linears = True
+        if self._step_chooses_threads:
+            self.torch_threads.record(num_tokens, elapsed)
+        route = self.decode_route
+        # Steps the route picked (either path) inform its next choice; others pass through.
+        if route is not None and route.pending and (self._step_native or self._step_gemms):
+            route.record(num_tokens, elapsed)
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():

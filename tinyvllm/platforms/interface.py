@@ -11,6 +11,7 @@ gives on any device).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -50,19 +51,40 @@ class Platform:
         step keeps torch single-threaded, so its OpenMP workers do not compete)."""
         return False
 
-    def native_step(self, num_tokens: int) -> AbstractContextManager[None]:
-        """Wraps a decode-sized step that runs on native kernels (their thread count chosen
-        per step where the platform has them)."""
+    def start_step(self, num_tokens: int, native: bool) -> None:
+        """Called before a step of `num_tokens` tokens; `native` when it is decode-sized and
+        runs on native kernels (their thread count chosen per step where the platform has
+        them), else its heavy work runs on torch ops (prefill on CPU: torch's thread count
+        chosen per step there). A pair of calls, not a context manager: on the decode path
+        each step pays for every frame it runs, with the caches cold after the weights
+        streamed through them."""
+
+    def finish_step(self) -> None:
+        """Called after the step `start_step` began, also when it raised."""
+
+    def steps_in_a_row(self) -> AbstractContextManager[None]:
+        """Wraps steps run back to back (LLM.generate's loop): state a step sets for itself
+        (torch's thread count on CPU) may stay between them, restored when the block ends."""
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def stepping(self, num_tokens: int, native: bool) -> Iterator[None]:
+        """`start_step` / `finish_step` around a block (for callers off the hot path)."""
+        self.start_step(num_tokens, native)
+        try:
+            yield
+        finally:
+            self.finish_step()
+
+    def native_step(self, num_tokens: int) -> AbstractContextManager[None]:
+        return self.stepping(num_tokens, True)
+
     def torch_step(self, num_tokens: int) -> AbstractContextManager[None]:
-        """Wraps a step whose heavy work runs on torch ops (prefill on CPU: torch's thread
-        count chosen per step there)."""
-        return contextlib.nullcontext()
+        return self.stepping(num_tokens, False)
 
     def routes_to_program(self, num_tokens: int) -> bool:
         """Whether a step the decode program supports runs on it rather than on the model's
-        layers (asked once per such step, before `native_step` / `torch_step`)."""
+        layers (asked once per such step, before `start_step`)."""
         return True
 
     def prepare_model(self, model: nn.Module) -> None:

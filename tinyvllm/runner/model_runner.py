@@ -41,7 +41,6 @@ from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
 from tinyvllm.sample.sampler import Sampler
-from tinyvllm.utils.cpu import torch_intra_op_threads
 
 if TYPE_CHECKING:
     from tinyvllm.native.llama_decode import LlamaDecodeProgram
@@ -160,8 +159,16 @@ class ModelRunner:
             )
         return size
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Inference mode entered here only where the caller does not hold it already
+        # (LLM.generate holds it across its steps: entering it costs ~30 us a decode step once
+        # the weights have streamed through the caches).
+        if torch.is_inference_mode_enabled():
+            return self._platform_step(sched)
+        with torch.inference_mode():
+            return self._platform_step(sched)
+
+    def _platform_step(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         program = self.decode_program
         num_tokens = sched.total_num_scheduled_tokens
         if program is not None:
@@ -173,13 +180,11 @@ class ModelRunner:
         else:  # models without a program (hybrids): decode-sized steps on native layer ops
             native_step = self.platform.native_layer_ops and num_tokens <= NATIVE_STEP_TOKENS
         self._program_step = program is not None and native_step
-        if native_step:
-            # The native kernels run this step on their own threads; torch's OpenMP workers,
-            # woken by sampling, would spin for milliseconds on the same cores.
-            with torch_intra_op_threads(1), self.platform.native_step(num_tokens):
-                return self._execute_model(sched)
-        with self.platform.torch_step(num_tokens):
+        self.platform.start_step(num_tokens, native_step)
+        try:
             return self._execute_model(sched)
+        finally:
+            self.platform.finish_step()
 
     def _execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         states = self.states
