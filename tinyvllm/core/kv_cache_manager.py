@@ -124,7 +124,7 @@ class KVCacheManager:
             # block that has one (none before the first full block).
             # The KV past the last snapshot is recomputed, but stays cached (kept recent):
             # that prefix is shared, and the chunk that recomputes it ends there with a
-            # snapshot (Scheduler._align_chunk), so later requests hit all of it.
+            # snapshot (chunk_bounds.align_chunk), so later requests hit all of it.
             kv_hits = list(hits)
             while hits and not self.states.has_snapshot(hashes[len(hits) - 1]):
                 hits.pop()

@@ -31,7 +31,7 @@ DENSE_SLAB_ROWS = 256
 class QuantKernels:
     """The loaded library's block kernels; calls run on `num_threads`, fixed when the library
     loads (at model load): decode steps lower torch's own count while they run, see
-    `torch_intra_op_threads`."""
+    `CpuPlatform.start_step`."""
 
     def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
         self.lib = lib
