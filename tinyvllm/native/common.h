@@ -20,8 +20,9 @@ namespace tv {
 using RangeFn = void (*)(void* ctx, int64_t item);
 
 // Runs fn(ctx, i) for every i in [0, n) on up to nthreads threads, the caller among them, and
-// returns when all have run. Items are claimed one at a time in increasing order (whoever is
-// free takes the next), so a thread the OS has descheduled delays at most the item it holds.
+// returns when all have run. Items are claimed in increasing order, in runs that shrink
+// towards the end (whoever is free takes the next run: a share of what is left), so a thread
+// the OS has descheduled delays at most the run it holds, and near the end that is one item.
 void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx);
 
 // Instruction sets of the GEMV kernels (avx512_kernels.cpp): the AVX2 ones always build; the
@@ -41,6 +42,14 @@ using BlockRowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*
                              int64_t, int64_t, float*);
 // The AVX-512 kernel for a format code and M (1..8), or null where only AVX2 has one.
 BlockRowsFn block_rows_avx512(int fmt, int M);
+
+// Q4_1 rows against M bf16 activation rows in pair layout (avx512_kernels.cpp): x16
+// [M][K / 64][64] holds, per pair of blocks (b0, b1), [x_b0[0:16], x_b1[0:16], x_b0[16:32],
+// x_b1[16:32]], xsp [M][K / 64][4] [0, sum x_b0, 0, sum x_b1]; (w, row_bytes, x16, xsp, K, n0,
+// n1, res[(n - n0) * M + m]). K a multiple of 64.
+using Bf16BlockRowsFn = void (*)(const uint8_t*, int64_t, const uint16_t*, const float*, int64_t,
+                                 int64_t, int64_t, float*);
+Bf16BlockRowsFn q4_1_bf16_rows_avx512(int M);
 
 // Opt-in int8-activation GEMVs (int8_kernels.cpp): a GGUF format code with this bit set asks
 // tv_linear_any / tv_linear_blocks for them; formats or CPUs they do not cover (no
