@@ -6,9 +6,9 @@
 // next time slice, and an OpenMP team's idle threads spin for a long time, taking the core from
 // whoever is running there (often our own straggler). Here items are claimed in guided runs
 // (a share of what is left, down to one item at the end), the calling thread claims too, so a
-// worker that is not running holds nothing but the run it is on; and every wait ends in a futex
-// sleep, which leaves the core idle so the kernel can move a
-// runnable thread (our straggler) onto it.
+// worker that is not running holds nothing but the run it is on; and every wait ends in a
+// futex sleep, which leaves the core idle so the kernel can move a runnable thread (our
+// straggler) onto it.
 
 #include <linux/futex.h>
 #include <sched.h>
