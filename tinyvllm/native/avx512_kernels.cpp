@@ -108,6 +108,7 @@ inline void nibbles(const uint8_t* p, __m512* lo, __m512* hi) {
 }
 
 struct Q4_0 {
+  static constexpr bool kHasMin = true;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 18 * g;
@@ -117,6 +118,7 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
+  static constexpr bool kHasMin = true;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 20 * g;
@@ -126,6 +128,7 @@ struct Q4_1 {
 };
 
 struct Q5_0 {  // (nibble | high bit << 4) - 16
+  static constexpr bool kHasMin = false;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 22 * g;
@@ -142,6 +145,7 @@ struct Q5_0 {  // (nibble | high bit << 4) - 16
 };
 
 struct Q8_0 {
+  static constexpr bool kHasMin = false;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 34 * g;
@@ -152,6 +156,7 @@ struct Q8_0 {
 };
 
 struct Q4_K {  // group g: sub-block g % 8 of super-block g / 8
+  static constexpr bool kHasMin = true;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 144 * (g / 8);
@@ -211,7 +216,8 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float
       for (int r = 0; r < RB; ++r) {
         __m512 lo, hi;
         const __m128 sm = f[r].group(g, &lo, &hi);
-        lin[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(sm)), xs, lin[r]);
+        if constexpr (F::kHasMin)
+          lin[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(sm)), xs, lin[r]);
         const __m512 scale = _mm512_broadcastss_ps(sm);
         for (int m = 0; m < M; ++m) {
           const float* xg = x + m * K + 32 * g;
@@ -221,9 +227,14 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float
         }
       }
     }
+    // Formats without a min (Q8_0, Q5_0) skip the lin lanes: adding their zeros changes no
+    // bits but a zero's sign.
     for (int r = 0; r < rb; ++r) {
       _mm256_store_ps(lanes, lin[r]);
-      for (int m = 0; m < M; ++m) res[(n + r - n0) * M + m] = _mm512_reduce_add_ps(acc[r][m]) + lanes[m];
+      for (int m = 0; m < M; ++m) {
+        const float dot = _mm512_reduce_add_ps(acc[r][m]);
+        res[(n + r - n0) * M + m] = F::kHasMin ? dot + lanes[m] : dot;
+      }
     }
   }
 }
