@@ -34,8 +34,11 @@ namespace {
 constexpr int64_t kWorkerSpinNs = 200000;
 constexpr int64_t kCallerSpinNs = 30000;
 constexpr int kMaxWorkers = 255;
-// A claim takes 1 / (kGuide * threads) of the items left (at least one).
+// A claim takes 1 / (kGuide * threads) of the items left, at least one and at most kMaxRun:
+// a worker descheduled while it holds a run leaves the caller that much more to wait for once
+// it runs again (GEMV items are ~1 us; lm_head has 1536 of them).
 constexpr uint64_t kGuide = 2;
+constexpr uint64_t kMaxRun = 16;
 // Contention check: over each window of regions, the time the caller slept waiting for an
 // item a descheduled worker held. When other programs keep the cores busy, such stalls
 // (each a wait for the worker's next time slice, then for the caller's own) cost more than
@@ -181,7 +184,7 @@ class Pool {
       const uint64_t left = ticket_count(t) - ticket_idx(t);
       const uint64_t share = left / (kGuide * static_cast<uint64_t>(
                                               region_threads_.load(std::memory_order_relaxed)));
-      const uint64_t take = share > 1 ? share : 1;
+      const uint64_t take = share < 1 ? 1 : share > kMaxRun ? kMaxRun : share;
       if (!ticket_.compare_exchange_weak(t, t + take, std::memory_order_acq_rel)) continue;
       // The claim holds this region open: fn_ and ctx_ are its own until done_ reaches n.
       const int64_t first = static_cast<int64_t>(ticket_idx(t));
