@@ -4,11 +4,10 @@
 // Why not OpenMP: a decode step is ~150 short parallel regions. With static shares, a worker
 // the OS has descheduled (another program wants the core) holds up the whole region until its
 // next time slice, and an OpenMP team's idle threads spin for a long time, taking the core from
-// whoever is running there (often our own straggler). Here items are claimed in guided runs
-// (a share of what is left, down to one item at the end), the calling thread claims too, so a
-// worker that is not running holds nothing but the run it is on; and every wait ends in a
-// futex sleep, which leaves the core idle so the kernel can move a runnable thread (our
-// straggler) onto it.
+// whoever is running there (often our own straggler). Here items are claimed one at a time, the
+// calling thread claims too, so a worker that is not running holds nothing but the item it is
+// on; and every wait ends in a futex sleep, which leaves the core idle so the kernel can move a
+// runnable thread (our straggler) onto it.
 
 #include <linux/futex.h>
 #include <sched.h>
@@ -34,11 +33,6 @@ namespace {
 constexpr int64_t kWorkerSpinNs = 200000;
 constexpr int64_t kCallerSpinNs = 30000;
 constexpr int kMaxWorkers = 255;
-// A claim takes 1 / (kGuide * threads) of the items left, at least one and at most kMaxRun:
-// a worker descheduled while it holds a run leaves the caller that much more to wait for once
-// it runs again (GEMV items are ~1 us; lm_head has 1536 of them).
-constexpr uint64_t kGuide = 2;
-constexpr uint64_t kMaxRun = 16;
 // Contention check: over each window of regions, the time the caller slept waiting for an
 // item a descheduled worker held. When other programs keep the cores busy, such stalls
 // (each a wait for the worker's next time slice, then for the caller's own) cost more than
@@ -137,7 +131,6 @@ class Pool {
     fn_ = fn;
     ctx_ = ctx;
     done_.store(0, std::memory_order_relaxed);
-    region_threads_.store(nthreads, std::memory_order_relaxed);
     slots_.store(nthreads - 1, std::memory_order_relaxed);
     serial_ = (serial_ + 1) & ((1ull << (64 - kIdxBits - kCountBits)) - 1);
     const uint64_t base = (serial_ << (kIdxBits + kCountBits)) |
@@ -173,25 +166,14 @@ class Pool {
   }
 
   // Claims and runs items of the current region until none is left; true if it ran any.
-  // A claim takes a run of consecutive items, a share of what is left that shrinks towards
-  // the end (guided): few claims (each a cache-line transfer between cores, twice: the
-  // ticket and done_), long sequential weight streams for the prefetchers, and still little
-  // held by a thread descheduled near the end.
   bool work() {
     uint64_t t = ticket_.load(std::memory_order_acquire);
     bool ran = false;
     while (ticket_idx(t) < ticket_count(t)) {
-      const uint64_t left = ticket_count(t) - ticket_idx(t);
-      const uint64_t share = left / (kGuide * static_cast<uint64_t>(
-                                              region_threads_.load(std::memory_order_relaxed)));
-      const uint64_t take = share < 1 ? 1 : share > kMaxRun ? kMaxRun : share;
-      if (!ticket_.compare_exchange_weak(t, t + take, std::memory_order_acq_rel)) continue;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
       // The claim holds this region open: fn_ and ctx_ are its own until done_ reaches n.
-      const int64_t first = static_cast<int64_t>(ticket_idx(t));
-      for (int64_t i = first; i < first + static_cast<int64_t>(take); ++i) fn_(ctx_, i);
-      const uint32_t finished =
-          done_.fetch_add(static_cast<uint32_t>(take), std::memory_order_seq_cst) +
-          static_cast<uint32_t>(take);
+      fn_(ctx_, static_cast<int64_t>(ticket_idx(t)));
+      const uint32_t finished = done_.fetch_add(1, std::memory_order_seq_cst) + 1;
       if (finished == ticket_count(t) && caller_sleeping_.load(std::memory_order_seq_cst))
         futex_wake(&done_, 1);
       ran = true;
@@ -246,8 +228,6 @@ class Pool {
   std::atomic<uint32_t> caller_sleeping_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<int> slots_{0};
-  // The current region's thread count (sizes guided claims; a stale value only sizes one).
-  std::atomic<int> region_threads_{1};
 };
 
 }  // namespace
