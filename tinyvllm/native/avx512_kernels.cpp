@@ -247,7 +247,8 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float
 // [q_b0[16:32], q_b1[16:32]] (the high ones), against x in the same order (x16 below), so a
 // lane's sum belongs to one block and meets that block's scale in one FMA: the arithmetic of
 // block_rows (scale * (q . x) + min * sum(x) per block, fp32 sums) in another summation order,
-// with about half the instructions per weight.
+// with about half the instructions per weight. The mins meet all M rows' block sums in one
+// FMA per pair: lane m sums the first blocks' min * sum(x[m]), lane 8 + m the second ones'.
 
 inline __m128 half2x2(const uint8_t* p0, const uint8_t* p1) {  // -> [d0, m0, d1, m1]
   int32_t a, b;
@@ -267,14 +268,15 @@ void q4_1_bf16_rows(const uint8_t* w, int64_t row_bytes, const uint16_t* x16, co
       0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
       0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
   const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i midx = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
   for (int64_t n = n0; n < n1; n += RB) {
     const int rb = n1 - n < RB ? static_cast<int>(n1 - n) : RB;
     const uint8_t* row[RB];
-    __m512 acc[RB][M];
-    __m128 lin[RB][M];
+    __m512 acc[RB][M], lin[RB];
     for (int r = 0; r < RB; ++r) {
       row[r] = w + (n + (r < rb ? r : 0)) * row_bytes;
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps(), lin[r][m] = _mm_setzero_ps();
+      lin[r] = _mm512_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     }
     prefetch_rows(row[0], rb * row_bytes);
     for (int64_t p = 0; p < pairs; ++p) {
@@ -288,23 +290,23 @@ void q4_1_bf16_rows(const uint8_t* w, int64_t row_bytes, const uint16_t* x16, co
         const __m512bh qb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
         const __m128 dm = half2x2(b0, b0 + 20);
         const __m512 dw = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(dm));
+        const __m512 mw = _mm512_permutexvar_ps(midx, _mm512_castps128_ps512(dm));
+        lin[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xsp + 16 * p), lin[r]);
         for (int m = 0; m < M; ++m) {
           const uint16_t* xp = x16 + (m * pairs + p) * 64;
           __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), qa,
                                       (__m512bh)_mm512_loadu_si512(xp));
           t = _mm512_dpbf16_ps(t, qb, (__m512bh)_mm512_loadu_si512(xp + 32));
           acc[r][m] = _mm512_fmadd_ps(t, dw, acc[r][m]);
-          lin[r][m] = _mm_fmadd_ps(dm, _mm_loadu_ps(xsp + (m * pairs + p) * 4), lin[r][m]);
         }
       }
     }
-    for (int r = 0; r < rb; ++r)
-      for (int m = 0; m < M; ++m) {
-        const __m128 l = lin[r][m];
-        const float mins = _mm_cvtss_f32(_mm_add_ss(_mm_movehdup_ps(l),
-                                                    _mm_movehdup_ps(_mm_movehl_ps(l, l))));
-        res[(n + r - n0) * M + m] = _mm512_reduce_add_ps(acc[r][m]) + mins;
-      }
+    for (int r = 0; r < rb; ++r) {
+      alignas(64) float mins[16];
+      _mm512_store_ps(mins, lin[r]);
+      for (int m = 0; m < M; ++m)
+        res[(n + r - n0) * M + m] = _mm512_reduce_add_ps(acc[r][m]) + (mins[m] + mins[8 + m]);
+    }
   }
 }
 

@@ -42,10 +42,10 @@ using BlockRowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*
 // The AVX-512 kernel for a format code and M (1..8), or null where only AVX2 has one.
 BlockRowsFn block_rows_avx512(int fmt, int M);
 
-// Q4_1 rows against M bf16 activation rows in pair layout (avx512_kernels.cpp): x16
+// Q4_1 rows against M <= 8 bf16 activation rows in pair layout (avx512_kernels.cpp): x16
 // [M][K / 64][64] holds, per pair of blocks (b0, b1), [x_b0[0:16], x_b1[0:16], x_b0[16:32],
-// x_b1[16:32]], xsp [M][K / 64][4] [0, sum x_b0, 0, sum x_b1]; (w, row_bytes, x16, xsp, K, n0,
-// n1, res[(n - n0) * M + m]). K a multiple of 64.
+// x_b1[16:32]], xsp [K / 64][16] [sum x_b0 of rows 0..7, sum x_b1 of rows 0..7] (0 past M);
+// (w, row_bytes, x16, xsp, K, n0, n1, res[(n - n0) * M + m]). K a multiple of 64.
 using Bf16BlockRowsFn = void (*)(const uint8_t*, int64_t, const uint16_t*, const float*, int64_t,
                                  int64_t, int64_t, float*);
 Bf16BlockRowsFn q4_1_bf16_rows_avx512(int M);

@@ -375,23 +375,23 @@ void linear_q4_1_bf16(const uint16_t* x, const uint8_t* w, const void* bias, int
                       void* out, int M, int64_t N, int64_t K, int nthreads) {
   const int64_t pairs = K / 64, row_bytes = K / 32 * 20;
   const int64_t ntiles = (M + kMaxRows - 1) / kMaxRows;
-  // Per input row: x16 [pairs][64] bf16, then xsp [pairs][4] fp32.
-  const int64_t row_b = pairs * 64 * 2 + pairs * 16;
-  char* buf = static_cast<char*>(checked_aligned_alloc(M * row_b));
+  // x16 [M][pairs][64] bf16, then per tile of 8 rows xsp [pairs][16] fp32 (zeros past M).
+  const int64_t x16_bytes = M * pairs * 128, xsp_floats = ntiles * pairs * 16;
+  char* buf = static_cast<char*>(checked_aligned_alloc(x16_bytes + 4 * xsp_floats));
   uint16_t* x16 = reinterpret_cast<uint16_t*>(buf);
-  float* xsp = reinterpret_cast<float*>(buf + M * pairs * 128);
+  float* xsp = reinterpret_cast<float*>(buf + x16_bytes);
+  memset(xsp, 0, 4 * xsp_floats);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t p = 0; p < pairs; ++p) {
       uint16_t* dst = x16 + (m * pairs + p) * 64;
-      float* sums = xsp + (m * pairs + p) * 4;
+      float* sums = xsp + (m / kMaxRows * pairs + p) * 16 + m % kMaxRows;
       for (int j = 0; j < 2; ++j) {
         const uint16_t* src = x + m * K + 64 * p + 32 * j;
         memcpy(dst + 16 * j, src, 32);
         memcpy(dst + 32 + 16 * j, src + 16, 32);
         float sum = 0.0f;
         for (int i = 0; i < 32; ++i) sum += bf16_to_f32(src[i]);
-        sums[2 * j] = 0.0f;
-        sums[2 * j + 1] = sum;
+        sums[8 * j] = sum;
       }
     }
   constexpr int64_t kChunk = 32;
@@ -401,8 +401,8 @@ void linear_q4_1_bf16(const uint16_t* x, const uint8_t* w, const void* bias, int
     const int tile = static_cast<int>(M - m0 < kMaxRows ? M - m0 : kMaxRows);
     const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
     float res[kChunk * kMaxRows];
-    q4_1_bf16_rows_avx512(tile)(w, row_bytes, x16 + m0 * pairs * 64, xsp + m0 * pairs * 4, K,
-                                n0, n1, res);
+    q4_1_bf16_rows_avx512(tile)(w, row_bytes, x16 + m0 * pairs * 64, xsp + m0 / kMaxRows *
+                                pairs * 16, K, n0, n1, res);
     store_tile(res, bias, b_dt, out, 1, m0, tile, n0, n1, N);
   });
   free(buf);
