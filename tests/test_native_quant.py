@@ -79,10 +79,13 @@ def assert_matches_fp32(
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: GT(q).name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pairs", [False, True], ids=["odd-blocks", "block-pairs"])
 def test_gemv_matches_dequantized_linear(
-    kernels: QuantKernels, qtype: int, dtype: torch.dtype
+    kernels: QuantKernels, qtype: int, dtype: torch.dtype, pairs: bool
 ) -> None:
-    cols = 512 if qtype in (GT.Q4_K, GT.Q6_K) else 96
+    """pairs: K a whole number of block pairs, which Q4_1 against bf16 activations reads
+    through its vdpbf16ps kernel (pairs of blocks per step) on AVX-512 BF16 CPUs."""
+    cols = 512 if qtype in (GT.Q4_K, GT.Q6_K) else 192 if pairs else 96
     w = random_blocks(37, cols, qtype, seed=int(qtype))
     dense = reference(w)
     gen = torch.Generator().manual_seed(int(qtype))

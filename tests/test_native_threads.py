@@ -59,13 +59,15 @@ def test_linear_bits_do_not_depend_on_thread_count(lib, dtype: torch.dtype) -> N
 
 
 @native_only
-def test_block_gemv_and_dequant_bits_do_not_depend_on_thread_count(lib) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_block_gemv_and_dequant_bits_do_not_depend_on_thread_count(lib, dtype: torch.dtype) -> None:
+    """bf16 activations take the vdpbf16ps Q4_1 kernel (K a whole number of block pairs)."""
     gen = torch.Generator().manual_seed(3)
     rows, k = 300, 64
     blocks = torch.randint(0, 256, (rows, k // 32, 20), generator=gen, dtype=torch.uint8)
     blocks[..., :4] = torch.tensor([0, 0x2C, 0, 0xA8], dtype=torch.uint8)  # fp16 d, m
     weight = blocks.reshape(rows, -1).contiguous()
-    x = torch.randn(11, k, generator=gen)
+    x = torch.randn(11, k, generator=gen).to(dtype)
     one, many = QuantKernels(lib, 1), QuantKernels(lib, 3)
     ref = one.gemv(x, FORMAT_Q4_1, weight, rows)
     assert torch.isfinite(ref).all()

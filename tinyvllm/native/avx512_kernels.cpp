@@ -108,6 +108,7 @@ inline void nibbles(const uint8_t* p, __m512* lo, __m512* hi) {
 }
 
 struct Q4_0 {
+  static constexpr bool kHasMin = true;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 18 * g;
@@ -117,6 +118,7 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
+  static constexpr bool kHasMin = true;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 20 * g;
@@ -126,6 +128,7 @@ struct Q4_1 {
 };
 
 struct Q5_0 {  // (nibble | high bit << 4) - 16
+  static constexpr bool kHasMin = false;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 22 * g;
@@ -142,6 +145,7 @@ struct Q5_0 {  // (nibble | high bit << 4) - 16
 };
 
 struct Q8_0 {
+  static constexpr bool kHasMin = false;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 34 * g;
@@ -152,6 +156,7 @@ struct Q8_0 {
 };
 
 struct Q4_K {  // group g: sub-block g % 8 of super-block g / 8
+  static constexpr bool kHasMin = true;
   const uint8_t* row;
   __m128 group(int64_t g, __m512* lo, __m512* hi) const {
     const uint8_t* blk = row + 144 * (g / 8);
@@ -174,9 +179,15 @@ struct Q4_K {  // group g: sub-block g % 8 of super-block g / 8
   }
 };
 
+// The bytes of the rows about to be read, twice ahead: 8 KiB into L2 and 1 KiB into L1. A
+// single core streaming a model from L3 (or DRAM) reads ~1.5x faster so than with one
+// distance alone (4 KiB into L1 before): the far prefetches keep enough lines in flight, the
+// near ones are L2 hits by then and leave L1's fill buffers free.
 inline void prefetch_rows(const uint8_t* row, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64)  // prefetches never fault past the end
-    _mm_prefetch(reinterpret_cast<const char*>(row + 4096 + off), _MM_HINT_T0);
+  for (int64_t off = 0; off < bytes; off += 64) {  // prefetches never fault past the end
+    _mm_prefetch(reinterpret_cast<const char*>(row + 8192 + off), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(row + 1024 + off), _MM_HINT_T0);
+  }
 }
 
 // Rows [n0, n1) against M activation rows, as quant_kernels.cpp's rows<F, M> (same arguments,
@@ -205,7 +216,8 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float
       for (int r = 0; r < RB; ++r) {
         __m512 lo, hi;
         const __m128 sm = f[r].group(g, &lo, &hi);
-        lin[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(sm)), xs, lin[r]);
+        if constexpr (F::kHasMin)
+          lin[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(sm)), xs, lin[r]);
         const __m512 scale = _mm512_broadcastss_ps(sm);
         for (int m = 0; m < M; ++m) {
           const float* xg = x + m * K + 32 * g;
@@ -215,9 +227,85 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float
         }
       }
     }
+    // Formats without a min (Q8_0, Q5_0) skip the lin lanes: adding their zeros changes no
+    // bits but a zero's sign.
     for (int r = 0; r < rb; ++r) {
       _mm256_store_ps(lanes, lin[r]);
-      for (int m = 0; m < M; ++m) res[(n + r - n0) * M + m] = _mm512_reduce_add_ps(acc[r][m]) + lanes[m];
+      for (int m = 0; m < M; ++m) {
+        const float dot = _mm512_reduce_add_ps(acc[r][m]);
+        res[(n + r - n0) * M + m] = F::kHasMin ? dot + lanes[m] : dot;
+      }
+    }
+  }
+}
+
+// ---- Q4_1 rows x bf16 activations: vdpbf16ps ---------------------------------------------
+// With bf16 activations every product q * x (q a 4-bit integer) is exact in bf16 x bf16 -> fp32,
+// so vdpbf16ps can take both factors: a nibble becomes the bf16 of its value through one
+// vpermw table lookup, and each instruction adds two exact products into an fp32 lane. Per
+// pair of blocks (b0, b1) one zmm holds [q_b0[0:16], q_b1[0:16]] (the low nibbles) and one
+// [q_b0[16:32], q_b1[16:32]] (the high ones), against x in the same order (x16 below), so a
+// lane's sum belongs to one block and meets that block's scale in one FMA: the arithmetic of
+// block_rows (scale * (q . x) + min * sum(x) per block, fp32 sums) in another summation order,
+// with about half the instructions per weight. The mins meet all M rows' block sums in one
+// FMA per pair: lane m sums the first blocks' min * sum(x[m]), lane 8 + m the second ones'.
+
+inline __m128 half2x2(const uint8_t* p0, const uint8_t* p1) {  // -> [d0, m0, d1, m1]
+  int32_t a, b;
+  memcpy(&a, p0, 4);
+  memcpy(&b, p1, 4);
+  return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1));
+}
+
+template <int M, int RB>
+void q4_1_bf16_rows(const uint8_t* w, int64_t row_bytes, const uint16_t* x16, const float* xsp,
+                    int64_t K, int64_t n0, int64_t n1, float* res) {
+  const int64_t pairs = K / 64;
+  // Entry i: bf16 of i & 15 (vpermw reads bits 4:0 of each word; a byte's low nibble and
+  // the lowest bit of its high one).
+  const __m512i table = _mm512_set_epi16(
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+      0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+      0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+  const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i midx = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  for (int64_t n = n0; n < n1; n += RB) {
+    const int rb = n1 - n < RB ? static_cast<int>(n1 - n) : RB;
+    const uint8_t* row[RB];
+    __m512 acc[RB][M], lin[RB];
+    for (int r = 0; r < RB; ++r) {
+      row[r] = w + (n + (r < rb ? r : 0)) * row_bytes;
+      lin[r] = _mm512_setzero_ps();
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    }
+    prefetch_rows(row[0], rb * row_bytes);
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int r = 0; r < RB; ++r) {
+        const uint8_t* b0 = row[r] + 40 * p;
+        const __m256i v = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 4))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 24)), 1);
+        const __m512i bytes = _mm512_cvtepu8_epi16(v);
+        const __m512bh qa = (__m512bh)_mm512_permutexvar_epi16(bytes, table);
+        const __m512bh qb = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+        const __m128 dm = half2x2(b0, b0 + 20);
+        const __m512 dw = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(dm));
+        const __m512 mw = _mm512_permutexvar_ps(midx, _mm512_castps128_ps512(dm));
+        lin[r] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xsp + 16 * p), lin[r]);
+        for (int m = 0; m < M; ++m) {
+          const uint16_t* xp = x16 + (m * pairs + p) * 64;
+          __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), qa,
+                                      (__m512bh)_mm512_loadu_si512(xp));
+          t = _mm512_dpbf16_ps(t, qb, (__m512bh)_mm512_loadu_si512(xp + 32));
+          acc[r][m] = _mm512_fmadd_ps(t, dw, acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < rb; ++r) {
+      alignas(64) float mins[16];
+      _mm512_store_ps(mins, lin[r]);
+      for (int m = 0; m < M; ++m)
+        res[(n + r - n0) * M + m] = _mm512_reduce_add_ps(acc[r][m]) + (mins[m] + mins[8 + m]);
     }
   }
 }
@@ -249,6 +337,19 @@ void bf16_gemv_avx512(const uint16_t* w, const uint16_t* x, int M, int64_t K, in
     case 6: return bf16_rows<6, 2>(w, x, K, n0, n1, N, acc);
     case 7: return bf16_rows<7, 2>(w, x, K, n0, n1, N, acc);
     default: return bf16_rows<8, 2>(w, x, K, n0, n1, N, acc);
+  }
+}
+
+Bf16BlockRowsFn q4_1_bf16_rows_avx512(int M) {
+  switch (M) {
+    case 1: return q4_1_bf16_rows<1, 2>;
+    case 2: return q4_1_bf16_rows<2, 1>;
+    case 3: return q4_1_bf16_rows<3, 1>;
+    case 4: return q4_1_bf16_rows<4, 1>;
+    case 5: return q4_1_bf16_rows<5, 1>;
+    case 6: return q4_1_bf16_rows<6, 1>;
+    case 7: return q4_1_bf16_rows<7, 1>;
+    default: return q4_1_bf16_rows<8, 1>;
   }
 }
 

@@ -42,6 +42,14 @@ using BlockRowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*
 // The AVX-512 kernel for a format code and M (1..8), or null where only AVX2 has one.
 BlockRowsFn block_rows_avx512(int fmt, int M);
 
+// Q4_1 rows against M <= 8 bf16 activation rows in pair layout (avx512_kernels.cpp): x16
+// [M][K / 64][64] holds, per pair of blocks (b0, b1), [x_b0[0:16], x_b1[0:16], x_b0[16:32],
+// x_b1[16:32]], xsp [K / 64][16] [sum x_b0 of rows 0..7, sum x_b1 of rows 0..7] (0 past M);
+// (w, row_bytes, x16, xsp, K, n0, n1, res[(n - n0) * M + m]). K a multiple of 64.
+using Bf16BlockRowsFn = void (*)(const uint8_t*, int64_t, const uint16_t*, const float*, int64_t,
+                                 int64_t, int64_t, float*);
+Bf16BlockRowsFn q4_1_bf16_rows_avx512(int M);
+
 // Opt-in int8-activation GEMVs (int8_kernels.cpp): a GGUF format code with this bit set asks
 // tv_linear_any / tv_linear_blocks for them; formats or CPUs they do not cover (no
 // AVX512-VNNI, formats other than Q4_0 / Q4_1 / Q8_0) take the exact kernel instead.

@@ -120,6 +120,16 @@ inline __m128 q4_dm(const uint8_t* p0, const uint8_t* p1) {
   return _mm_mul_ps(_mm_moveldup_ps(d), _mm_setr_ps(1.0f, -8.0f, 1.0f, -8.0f));
 }
 
+// The rows after [row, row + rb * row_bytes): two rows ahead into L1 and 8 KiB ahead into L2
+// (as avx512_kernels.cpp's prefetch_rows: enough lines in flight for one core to stream from
+// L3 near its bandwidth).
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, int rb) {
+  for (int64_t off = 0; off < rb * row_bytes; off += 64) {  // prefetches never fault
+    _mm_prefetch(reinterpret_cast<const char*>(row + 8192 + off), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * row_bytes + off), _MM_HINT_T0);
+  }
+}
+
 // Rows [n0, n1) of a Q4_0 / Q4_1 matrix against input rows m0 .. m0 + M of `a`; two rows per
 // step share each activation load.
 template <int Fmt, int M>
@@ -138,9 +148,7 @@ void q4_rows(const uint8_t* w, int64_t row_bytes, const ActQ8& a, int64_t m0, in
       row[r] = w + (n + (r < rb ? r : 0)) * row_bytes;
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps(), lin[r][m] = _mm_setzero_ps();
     }
-    for (int r = 0; r < RB; ++r)
-      for (int64_t off = 0; off < row_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row[r] + 2 * row_bytes + off), _MM_HINT_T0);
+    prefetch_ahead(row[0], row_bytes, rb);
     for (int64_t p = 0; p < a.pairs; ++p) {
       for (int r = 0; r < RB; ++r) {
         const uint8_t* b0 = row[r] + 2 * p * kBlock;
@@ -208,9 +216,7 @@ void q8_rows(const uint8_t* w, int64_t row_bytes, const ActQ8& a, int64_t m0, in
       row[r] = w + (n + (r < rb ? r : 0)) * row_bytes;
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     }
-    for (int r = 0; r < RB; ++r)
-      for (int64_t off = 0; off < row_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row[r] + 2 * row_bytes + off), _MM_HINT_T0);
+    prefetch_ahead(row[0], row_bytes, rb);
     for (int64_t p = 0; p <= a.pairs; ++p) {
       const bool tail = p == a.pairs;
       if (tail && a.groups % 2 == 0) break;

@@ -360,6 +360,54 @@ void dequant_row(int fmt, const uint8_t* row, int64_t K, float* out) {
   }
 }
 
+// Adds bias and stores res (rows [n0, n1) of a tile of `tile` input rows from m0) into out.
+inline void store_tile(const float* res, const void* bias, int b_dt, void* out, int x_dt,
+                       int64_t m0, int tile, int64_t n0, int64_t n1, int64_t N) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float b = bias ? load(bias, n, b_dt) : 0.0f;
+    for (int m = 0; m < tile; ++m) store(out, (m0 + m) * N + n, res[(n - n0) * tile + m] + b, x_dt);
+  }
+}
+
+// Q4_1 against bf16 activations through vdpbf16ps (avx512_kernels.cpp, same arithmetic as
+// the fp32 kernel up to summation order): x is laid out per pair of blocks once per call.
+void linear_q4_1_bf16(const uint16_t* x, const uint8_t* w, const void* bias, int b_dt,
+                      void* out, int M, int64_t N, int64_t K, int nthreads) {
+  const int64_t pairs = K / 64, row_bytes = K / 32 * 20;
+  const int64_t ntiles = (M + kMaxRows - 1) / kMaxRows;
+  // x16 [M][pairs][64] bf16, then per tile of 8 rows xsp [pairs][16] fp32 (zeros past M).
+  const int64_t x16_bytes = M * pairs * 128, xsp_floats = ntiles * pairs * 16;
+  char* buf = static_cast<char*>(checked_aligned_alloc(x16_bytes + 4 * xsp_floats));
+  uint16_t* x16 = reinterpret_cast<uint16_t*>(buf);
+  float* xsp = reinterpret_cast<float*>(buf + x16_bytes);
+  memset(xsp, 0, 4 * xsp_floats);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint16_t* dst = x16 + (m * pairs + p) * 64;
+      float* sums = xsp + (m / kMaxRows * pairs + p) * 16 + m % kMaxRows;
+      for (int j = 0; j < 2; ++j) {
+        const uint16_t* src = x + m * K + 64 * p + 32 * j;
+        memcpy(dst + 16 * j, src, 32);
+        memcpy(dst + 32 + 16 * j, src + 16, 32);
+        float sum = 0.0f;
+        for (int i = 0; i < 32; ++i) sum += bf16_to_f32(src[i]);
+        sums[8 * j] = sum;
+      }
+    }
+  constexpr int64_t kChunk = 32;
+  const int64_t nchunks = (N + kChunk - 1) / kChunk;
+  parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {
+    const int64_t m0 = item / nchunks * kMaxRows;
+    const int tile = static_cast<int>(M - m0 < kMaxRows ? M - m0 : kMaxRows);
+    const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
+    float res[kChunk * kMaxRows];
+    q4_1_bf16_rows_avx512(tile)(w, row_bytes, x16 + m0 * pairs * 64, xsp + m0 / kMaxRows *
+                                pairs * 16, K, n0, n1, res);
+    store_tile(res, bias, b_dt, out, 1, m0, tile, n0, n1, N);
+  });
+  free(buf);
+}
+
 }  // namespace
 
 extern "C" {
@@ -376,6 +424,9 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
       return linear_blocks_int8(x, x_dt, static_cast<const uint8_t*>(w), w_fmt, bias, b_dt, out,
                                 M, N, K, nthreads);
   }
+  if (w_fmt == kQ4_1 && x_dt == 1 && K % 64 == 0 && isa_level() == kIsaAvx512)
+    return linear_q4_1_bf16(static_cast<const uint16_t*>(x), static_cast<const uint8_t*>(w), bias,
+                            b_dt, out, M, N, K, nthreads);
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
   const int64_t row_bytes = K / elems * bytes, groups = K / 32;
@@ -419,11 +470,7 @@ void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const v
     const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
     float res[kChunk * kMaxRows];
     kernel(tile)(wb, row_bytes, xf, xf + kMaxRows * K, K, n0, n1, res);
-    for (int64_t n = n0; n < n1; ++n) {
-      const float b = bias ? load(bias, n, b_dt) : 0.0f;
-      for (int m = 0; m < tile; ++m)
-        store(out, (m0 + m) * N + n, res[(n - n0) * tile + m] + b, x_dt);
-    }
+    store_tile(res, bias, b_dt, out, x_dt, m0, tile, n0, n1, N);
   });
   free(buf);
 }
