@@ -247,14 +247,11 @@ def lazily_zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torc
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # Private: a shared anonymous mapping is shmem, which THP leaves alone by default.
+    # 4 KiB pages on purpose. Transparent huge pages (MADV_HUGEPAGE on a private mapping)
+    # cut decode attention's TLB misses over scattered blocks (~15% of the kernel's time at 64
+    # sequences x ~420 tokens), but each layer's K and V then take 2 MiB resident at their
+    # first block: +118 MiB peak RSS for a one-line chat with SmolLM2-135M (494 vs 377 MiB).
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        # Transparent huge pages where the system offers them on request (THP "madvise", a
-        # common default): decode attention reads each sequence's K/V rows from blocks
-        # scattered over the cache, and with 4 KiB pages most blocks cost TLB misses (64
-        # sequences x ~420 tokens, 30 layers: 15% of the attention kernel's time).
-        buf.madvise(mmap.MADV_HUGEPAGE)
     # frombuffer keeps `buf` alive for as long as the tensor (or a view of it) lives.
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
