@@ -14,9 +14,6 @@ GEMM is emulated and there is no route: every step the program supports runs on 
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tinyvllm.native.step_threads import MeasuredChoice
@@ -55,7 +52,7 @@ class DecodeRoute:
 
     def takes_program(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` rows (one the program supports) runs on the
-        program; run the step inside `timed` so its wall time informs the next choice."""
+        program; the step's wall time goes to `record` to inform the next choice."""
         if self.fixed is not None:
             self.pending, self.on_layers = False, self.fixed == LAYERS
         else:
@@ -67,19 +64,6 @@ class DecodeRoute:
         once per torch step: prefill and other steps the program cannot run are not)."""
         on_layers, self.on_layers = self.on_layers, False
         return on_layers
-
-    @contextlib.contextmanager
-    def timed(self, num_tokens: int) -> Iterator[None]:
-        """Runs the step `takes_program` was last asked about (on either path), recording
-        its wall time where the choice picked it."""
-        if not self.pending:
-            yield
-            return
-        start = time.perf_counter_ns()
-        try:
-            yield
-        finally:
-            self.record(num_tokens, time.perf_counter_ns() - start)
 
     def record(self, num_tokens: int, elapsed_ns: float) -> None:
         """The wall time of the step the choice last picked."""

@@ -7,10 +7,7 @@ Each method takes and returns torch tensors and checks only what the kernels ass
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,21 +62,9 @@ class NativeCpuOps:
         self.step_threads = StepThreadChoice(num_threads)
         # Whether the AVX-512 row kernels (any number of rows) run on this CPU.
         self.row_kernels = bool(lib.tv_rows_supported())
-        # False inside `torch_gemms`: linears leave even decode-sized inputs to torch.
+        # False during a decode step the route sent to torch's GEMMs (CpuPlatform.start_step):
+        # linears leave even decode-sized inputs to torch.
         self.gemv_linears = True
-
-    @contextlib.contextmanager
-    def step(self, num_tokens: int) -> Iterator[None]:
-        """A decode step of `num_tokens` tokens: every native region in it runs on the thread
-        count `step_threads` picks (all, or the caller alone), and the step's wall time
-        informs the next pick."""
-        self.lib.tv_pool_govern(self.step_threads.choose(num_tokens))
-        start = time.perf_counter_ns()
-        try:
-            yield
-        finally:
-            self.step_threads.record(num_tokens, time.perf_counter_ns() - start)
-            self.lib.tv_pool_govern(0)
 
     def elementwise_fits(self, x: torch.Tensor) -> bool:
         """`x` can go to `rms_norm` / `silu_mul` / `rope_`: like `elementwise_rows_fit`, with
@@ -91,11 +76,6 @@ class NativeCpuOps:
             and dtype_code(x.dtype) is not None
         )
 
-    def _rows(self, x: torch.Tensor) -> bool:
-        """Whether `x` takes the multi-threaded AVX-512 row kernels rather than the one-thread
-        ones (which remain for CPUs without AVX-512, up to MAX_ELEMENTWISE_ROWS rows)."""
-        return self.row_kernels
-
     @classmethod
     def load(cls, num_threads: int | None = None) -> NativeCpuOps | None:
         lib = load_library()
@@ -103,18 +83,6 @@ class NativeCpuOps:
             return None
         return cls(lib, num_threads or native_threads())
 
-    @contextlib.contextmanager
-    def torch_gemms(self) -> Iterator[None]:
-        """A step whose linears run on torch's matmul at any row count (a decode step the
-        route sends to the layers where torch's bf16 GEMM beats these GEMVs, see
-        decode_route.py); norms, rope and attention keep their native kernels."""
-        self.gemv_linears = False
-        try:
-            yield
-        finally:
-            self.gemv_linears = True
-
-    # ---- matmul ---------------------------------------------------------------------------
     def can_linear(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (
             self.gemv_linears
@@ -152,7 +120,7 @@ class NativeCpuOps:
         out = torch.empty_like(x)
         args = (x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
                 _DTYPE_CODES[x.dtype], t, h, eps)  # fmt: skip
-        if self._rows(x):
+        if self.row_kernels:
             self.lib.tv_rows_rms_norm(*args, self.num_threads)
         else:
             self.lib.tv_rms_norm(*args)
@@ -172,7 +140,7 @@ class NativeCpuOps:
         return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._rows(x):
+        if self.row_kernels:
             t, d2 = x.shape
             out = torch.empty((t, d2 // 2), dtype=x.dtype)
             self.lib.tv_rows_silu_mul(
@@ -200,7 +168,7 @@ class NativeCpuOps:
             k.shape[1] // head_dim, _DTYPE_CODES[q.dtype], q.shape[0], head_dim, rotary_dim,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         )  # fmt: skip
-        if self._rows(q):
+        if self.row_kernels:
             self.lib.tv_rows_rope(*args, self.num_threads)
         else:
             self.lib.tv_rope(*args)
