@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 from gguf_writer import write_tiny_gguf
 
+from tinyvllm.gguf.tokenizer_cache import load_gguf_tokenizer
+
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_models: Mapping[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gguf(tiny_models["llama"], tmp_path_factory.mktemp("startup") / "l.gguf")
+    path = write_tiny_gguf(tiny_models["llama"], tmp_path_factory.mktemp("startup") / "l.gguf")
+    load_gguf_tokenizer(path)  # converted once (with transformers), as before any later start
+    return path
 
 
 def _run(script: str) -> dict:
@@ -55,3 +59,25 @@ def test_first_engine_freezes_its_imports_not_the_engine(tiny_gguf: Path) -> Non
     assert result["second"] <= result["first"], result  # frozen objects still die
     assert result["dropped"], result
     assert result["enabled"], result
+
+
+# Imported only where they are used: jinja2 by chat templates (LLM.chat), Pillow by images.
+# `import tinyvllm` and a text model's engine never need them (~40 ms of a start together).
+LAZY_MODULES = ("jinja2", "PIL", "transformers")
+
+
+def test_text_engine_leaves_chat_and_image_modules_unimported(tiny_gguf: Path) -> None:
+    result = _run(
+        f"""
+        import json, sys
+        lazy = {LAZY_MODULES!r}
+        import tinyvllm
+        after_import = [m for m in lazy if m in sys.modules]
+        from tinyvllm import LLM, SamplingParams
+        llm = LLM({str(tiny_gguf)!r}, max_model_len=64, max_num_seqs=2)
+        llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+        print(json.dumps({{"import": after_import,
+                          "engine": [m for m in lazy if m in sys.modules]}}))
+        """
+    )
+    assert result == {"import": [], "engine": []}, result
