@@ -61,9 +61,17 @@ def test_first_engine_freezes_its_imports_not_the_engine(tiny_gguf: Path) -> Non
     assert result["enabled"], result
 
 
-# Imported only where they are used: jinja2 by chat templates (LLM.chat), Pillow by images.
-# `import tinyvllm` and a text model's engine never need them (~40 ms of a start together).
-LAZY_MODULES = ("jinja2", "PIL", "transformers")
+# Imported only where they are used: jinja2 by chat templates (LLM.chat), Pillow and the
+# vision model by images, the other model states by their models. `import tinyvllm` and a
+# text model's engine never need them (~60 ms of a start together).
+LAZY_MODULES = (
+    "jinja2",
+    "PIL",
+    "transformers",
+    "tinyvllm.models.qwen2_5_vl",
+    "tinyvllm.runner.model_states.mrope",
+    "tinyvllm.runner.model_states.realtime",
+)
 
 
 def test_text_engine_leaves_chat_and_image_modules_unimported(tiny_gguf: Path) -> None:
