@@ -89,3 +89,18 @@ def test_text_engine_leaves_chat_and_image_modules_unimported(tiny_gguf: Path) -
         """
     )
     assert result == {"import": [], "engine": []}, result
+
+
+def test_a_failed_runtime_import_raises_here_and_reenables_the_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    from tinyvllm.utils import runtime_imports
+
+    monkeypatch.setattr(runtime_imports, "RUNTIME_MODULES", ("tinyvllm._no_such_module",))
+    frozen = gc.get_freeze_count()
+    with pytest.raises(ModuleNotFoundError, match="_no_such_module"):
+        runtime_imports.import_runtime()
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == frozen
