@@ -96,7 +96,7 @@ def test_a_failed_runtime_import_raises_here_and_reenables_the_collector(
 ) -> None:
     import gc
 
-    from tinyvllm.utils import runtime_imports
+    from tinyvllm.engine import runtime_imports
 
     monkeypatch.setattr(runtime_imports, "RUNTIME_MODULES", ("tinyvllm._no_such_module",))
     frozen = gc.get_freeze_count()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from tinyvllm.config import EngineArgs
 from tinyvllm.engine.engine import Engine
 from tinyvllm.engine.pooling_engine import PoolingEngine
+from tinyvllm.engine.runtime_imports import import_runtime
 from tinyvllm.engine.setup import build_engine_config, load_tokenizer
-from tinyvllm.utils.runtime_imports import import_runtime
 
 AnyEngine = Engine | PoolingEngine
 
