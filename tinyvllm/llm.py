@@ -20,7 +20,6 @@ from tinyvllm.outputs import (
 from tinyvllm.pooling_params import PoolingParams
 from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 from tinyvllm.stats import EngineStats
-from tinyvllm.utils.chat_template import render_chat_template
 from tinyvllm.utils.content_parts import PLACEHOLDERS, split_content_parts
 
 logger = logging.getLogger(__name__)
@@ -111,6 +110,9 @@ class LLM:
         `{"type": "image_url", "image_url": {"url": PATH_OR_FILE_URL}}`, `video_url`
         likewise, or in-memory `{"type": "image", "image": array_or_pil}` /
         `{"type": "video", "video": frames}` for vision-language models."""
+        # Here, not at the top: jinja2 is for chat only (~25 ms of every `import tinyvllm`).
+        from tinyvllm.utils.chat_template import render_chat_template
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         if chat_template is None and not getattr(tokenizer, "chat_template", None):

@@ -14,13 +14,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from tinyvllm.models.qwen2_5_vl import MediaInput
-from tinyvllm.multimodal.evs import retained_tokens_for_grid
 from tinyvllm.multimodal.media import decode_video, load_image
 from tinyvllm.multimodal.qwen_vl_processing import (
     QwenVLProcessorConfig,
@@ -31,6 +29,9 @@ from tinyvllm.multimodal.qwen_vl_processing import (
 )
 from tinyvllm.request import MultiModalFeature
 from tinyvllm.utils.content_parts import PLACEHOLDERS
+
+if TYPE_CHECKING:
+    from tinyvllm.models.qwen2_5_vl import MediaInput
 
 _MODALITIES = ("image", "video")
 # Frames sampled (spread over the clip) from a video file unless its metadata says otherwise:
@@ -122,6 +123,8 @@ class MultiModalProcessor:
 
     def _grid_tokens(self, modality: str, grid: tuple[int, int, int]) -> int:
         if modality == "video" and self.pruning_rate > 0:
+            from tinyvllm.multimodal.evs import retained_tokens_for_grid
+
             return retained_tokens_for_grid(grid, self.merge, self.pruning_rate)
         t, h, w = grid
         return t * (h // self.merge) * (w // self.merge)
@@ -180,6 +183,10 @@ class MultiModalProcessor:
         return runs
 
     def _preprocess(self, modality: str, item: Any, index: int) -> MediaInput:
+        # Here, not at the top: every engine imports this module, and a text model has no
+        # media (the vision model's module is ~20 ms of its start).
+        from tinyvllm.models.qwen2_5_vl import MediaInput
+
         cfg = self.configs[modality]
         if modality == "image":
             if isinstance(item, str | Path | bytes):

@@ -13,12 +13,14 @@ import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 MediaSource = str | Path | bytes
 
@@ -70,6 +72,10 @@ def load_image(source: MediaSource | Image.Image, max_pixels: int | None = None)
     closed on return). Mode conversion is left to the processor (it composites alpha).
     Pillow's decompression-bomb guard stays on; `max_pixels` (width x height) is checked from
     the header, before anything is decoded."""
+    # Here, not at the top: every engine imports this module, few of them see an image
+    # (Pillow's import is ~15 ms of a start).
+    from PIL import Image, UnidentifiedImageError
+
     if isinstance(source, Image.Image):
         return source
     media = resolve_media(source, "image")

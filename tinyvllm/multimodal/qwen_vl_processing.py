@@ -22,18 +22,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    ImageLike = Image.Image | np.ndarray
 
 # CLIP's statistics: the Qwen-VL processors' defaults.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # Beyond this the resized image would be a sliver a patch wide (Qwen's limit, kept as is).
 _MAX_ASPECT_RATIO = 200
-
-ImageLike = Image.Image | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,10 @@ def smart_resize(
 
 def _to_rgb_array(image: ImageLike, what: str) -> np.ndarray:
     """uint8 (H, W, 3); transparent images are composited onto white (as HF does)."""
+    # Pillow is imported where images are handled: every engine imports this module, and
+    # a text model never needs it (~15 ms of a start).
+    from PIL import Image
+
     if isinstance(image, Image.Image):
         if "A" in image.getbands() or "transparency" in image.info:
             rgba = image.convert("RGBA")
@@ -155,6 +161,8 @@ def _resize(frame: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     if frame.shape[:2] == size:
         return frame
     height, width = size
+    from PIL import Image
+
     return np.asarray(Image.fromarray(frame).resize((width, height), Image.Resampling.BICUBIC))
 
 
@@ -193,6 +201,8 @@ def process_images(
     images: Sequence[ImageLike], cfg: QwenVLProcessorConfig
 ) -> tuple[np.ndarray, np.ndarray]:
     """Images -> (pixel_values float32 [patches, 3*tp*p*p], image_grid_thw int64 [n, 3])."""
+    from PIL import Image
+
     if isinstance(images, (Image.Image, np.ndarray)):
         images = [images]
     if len(images) == 0:
