@@ -41,10 +41,12 @@ SOURCES = (
     Path(__file__).with_name("int8_kernels.cpp"),
     Path(__file__).with_name("attn_avx512.cpp"),
     Path(__file__).with_name("prefill_attn_amx.cpp"),
+    Path(__file__).with_name("amx_linear.cpp"),
 )
 HEADERS = (
     Path(__file__).with_name("common.h"),
     Path(__file__).with_name("avx512_math.h"),
+    Path(__file__).with_name("amx_tiles.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
 # No OpenMP: thread_pool.cpp is the library's own runtime (a second OpenMP next to torch's

@@ -35,6 +35,12 @@ int isa_level();
 void bf16_gemv_avx512(const uint16_t* w, const uint16_t* x, int M, int64_t K, int64_t n0,
                       int64_t n1, int64_t N, float* acc);
 
+// bf16 out [M][N] = x [M][K] w^T (+ bias) on AMX tiles (amx_linear.cpp) when M >= kAmxMinRows,
+// K % 32 == 0, N % 16 == 0 and the CPU and OS allow AMX; false (nothing written) otherwise.
+constexpr int kAmxMinRows = 16;
+bool linear_bf16_amx(const uint16_t* x, const uint16_t* w, const void* bias, int b_dt,
+                     uint16_t* out, int M, int64_t N, int64_t K, int nthreads);
+
 // A block GEMV over GGUF rows [n0, n1) against M fp32 rows x [M][K] and their group sums xs8
 // [K / 32][8]: (w, row_bytes, x, xs8, K, n0, n1, res[(n - n0) * M + m]).
 using BlockRowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t,

@@ -151,6 +151,7 @@ inline void value_sum(const void* kv, int dt, const int64_t* off, int64_t first,
 // they are: no fp32 copy of x); same items as tv_linear's.
 void linear_bf16_avx512(const uint16_t* x, const uint16_t* w, const void* bias, int b_dt,
                         uint16_t* out, int M, int64_t N, int64_t K, int nthreads) {
+  if (linear_bf16_amx(x, w, bias, b_dt, out, M, N, K, nthreads)) return;
   constexpr int64_t kChunk = 32;
   const int64_t nchunks = (N + kChunk - 1) / kChunk, ntiles = (M + 7) / 8;
   parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {

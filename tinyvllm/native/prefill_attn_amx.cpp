@@ -25,18 +25,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "avx512_math.h"
 #include "common.h"
-
-#define TV_AMX \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 namespace tv {
 namespace {
@@ -45,35 +41,6 @@ constexpr int64_t kDim = 64;         // head_dim the kernel takes
 constexpr int64_t kRows = 16;        // query rows per tile block
 constexpr int64_t kBlockRows = 64;   // query rows per work item
 constexpr int64_t kKeyAlign = 32;    // keys are padded to the P tile's width
-
-struct TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// The process may use AMX tile data only after asking the kernel once (Linux 5.16+).
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023;
-    constexpr int kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-TV_AMX void load_tile_config() {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 struct Shape {
   const uint16_t* q;
@@ -126,19 +93,6 @@ TV_AMX void repack(const Shape& s, int64_t item) {
       _mm512_storeu_si512(vv + p * kDim + 32 * half + 16, _mm512_permutex2var_epi16(r0, hi, r1));
     }
   }
-}
-
-// fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN stays NaN (as
-// common.h's f32_to_bf16); the output rounding, where denormals must survive.
-TV_AMX inline __m512i bf16_round_bits(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(64));
-  return _mm512_mask_mov_epi32(r, nan, quiet);
 }
 
 // Rows [r0, r0 + rows) of query head h of prompt b (rows <= kRows), keys [0, r0 + rows).
@@ -293,14 +247,7 @@ void run_items(OmpParallelFn omp, int64_t n, int nthreads, F&& f) {
 }  // namespace tv
 
 // 1 when the CPU has AMX-BF16 and the OS lets this process use its tiles.
-extern "C" int tv_prefill_attn_amx_supported() {
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return 0;
-  unsigned eax, ebx, ecx, edx;
-  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-  const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
-  return amx_bf16 && amx_tile && tv::amx_permitted() ? 1 : 0;
-}
+extern "C" int tv_prefill_attn_amx_supported() { return tv::amx_supported() ? 1 : 0; }
 
 // See the top of the file; call only where tv_prefill_attn_amx_supported() returned 1.
 // `omp_parallel`: the address of GOMP_parallel in the OpenMP runtime torch runs its ops on, or
