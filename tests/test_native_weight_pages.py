@@ -1,4 +1,4 @@
-"""Large GGUF weights collapsed onto transparent huge pages in place
+"""GGUF block weights collapsed onto transparent huge pages in place
 (tinyvllm/native/weight_pages.py): same address, same bytes, huge pages where the kernel has
 them."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyvllm.native.weight_pages import HUGE_PAGE, _libc, collapse_to_huge_pages
+from tinyvllm.native.weight_pages import HUGE_PAGE, _libc, collapse_chunks, huge_page_chunks
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -47,30 +47,32 @@ def _anon_huge_kib(start: int, end: int) -> int:
 def test_collapse_keeps_address_and_bytes_and_takes_huge_pages() -> None:
     gen = torch.Generator().manual_seed(3)
     t = torch.randint(0, 256, (5 * HUGE_PAGE + 12345,), dtype=torch.uint8, generator=gen)
-    before = t.clone()
+    small = torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=gen)
+    before, small_before = t.clone(), small.clone()
     ptr = t.data_ptr()
-    moved = collapse_to_huge_pages(t, _libc())
-    start = -(-ptr // HUGE_PAGE) * HUGE_PAGE
-    end = (ptr + t.numel()) // HUGE_PAGE * HUGE_PAGE
-    assert moved == end - start >= 4 * HUGE_PAGE
+    chunks = huge_page_chunks([t, small])
+    first, last = ptr // HUGE_PAGE, (ptr + t.numel() - 1) // HUGE_PAGE
+    assert {c // HUGE_PAGE for c in chunks} >= set(range(first, last + 1))
+    assert chunks == sorted(set(chunks))
+    moved = collapse_chunks(chunks, _libc())
+    assert moved >= 5 * HUGE_PAGE  # every chunk of t (the heap may refuse an edge)
     assert t.data_ptr() == ptr
-    assert torch.equal(t, before)
-    assert _anon_huge_kib(start, end) * 1024 >= moved
+    assert torch.equal(t, before) and torch.equal(small, small_before)
+    assert _anon_huge_kib(first * HUGE_PAGE, (last + 1) * HUGE_PAGE) * 1024 >= 5 * HUGE_PAGE
 
 
-def test_a_tensor_without_an_aligned_huge_page_inside_is_left_alone() -> None:
-    libc = _libc()
-    if libc is None:
-        pytest.skip("not Linux")
+def test_chunks_of_a_small_tensor() -> None:
     t = torch.zeros(HUGE_PAGE // 2, dtype=torch.uint8)
-    assert collapse_to_huge_pages(t, libc) == 0
+    chunks = huge_page_chunks([t])
+    assert 1 <= len(chunks) <= 2  # it may straddle a 2 MiB edge
+    assert chunks[0] <= t.data_ptr() < chunks[-1] + HUGE_PAGE
 
 
 def test_engine_weights_move_once_and_results_stay_identical(
-    tiny_models: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_models: object, tmp_path: Path
 ) -> None:
-    """Every GGUF block weight counts (threshold 0 here: the tiny model's are small), a tied
-    embedding / lm_head once; collapsing them changes no output bit."""
+    """Every GGUF block weight counts, a tied embedding / lm_head once; collapsing them (again:
+    the engine did at load) changes no output bit."""
     import gguf
     from gguf_writer import write_tiny_gguf
 
@@ -88,10 +90,9 @@ def test_engine_weights_move_once_and_results_stay_identical(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [{"prompt_token_ids": [5, 17, 99, 3, 42]}]
     before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    monkeypatch.setattr(weight_pages, "MIN_BYTES", 0)
-    weights = weight_pages.large_block_weights(model)
+    weights = weight_pages.block_weights(model)
     assert len({t.data_ptr() for t in weights}) == len(weights) > 0
-    thread = weight_pages.move_large_block_weights_to_huge_pages(model)
+    thread = weight_pages.move_block_weights_to_huge_pages(model)
     if thread is not None:
         thread.join()
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
