@@ -64,10 +64,40 @@ def test_one_thread_has_nothing_to_choose() -> None:
     assert choice.estimates == {}
 
 
-def _pool_regions(lib: ctypes.CDLL) -> int:
-    stats = (ctypes.c_int64 * 4)()
+def _pool_stats(lib: ctypes.CDLL) -> list[int]:
+    """Regions with workers, regions alone, switches to alone, ns stalled, claims."""
+    stats = (ctypes.c_int64 * 5)()
     lib.tv_pool_stats(stats)
+    return list(stats)
+
+
+def _pool_regions(lib: ctypes.CDLL) -> int:
+    stats = _pool_stats(lib)
     return stats[0] + stats[1]  # regions the pool ran, with workers or alone
+
+
+@native_only
+def test_pool_claims_shrinking_shares_and_runs_every_item_once() -> None:
+    """A 2-thread GEMV of 128 items (32 rows each) takes a few claims, not one per item (each
+    claim moves a contended cache line between cores), and gives the 1-thread bits."""
+    lib = load_library()
+    ops = NativeCpuOps(lib, 2)
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(128 * 32 + 5, 64, generator=gen)  # an odd last item
+    x = torch.randn(1, 64, generator=gen)
+    try:
+        lib.tv_pool_govern(1)
+        ref = ops.linear(x, w, None)
+        lib.tv_pool_govern(2)
+        before = _pool_stats(lib)
+        got = ops.linear(x, w, None)
+        after = _pool_stats(lib)
+    finally:
+        lib.tv_pool_govern(0)
+    assert after[0] == before[0] + 1
+    claims = after[4] - before[4]
+    assert 1 <= claims <= 64, claims  # one claim per item would be 129
+    assert torch.equal(got, ref)
 
 
 @native_only

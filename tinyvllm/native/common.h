@@ -20,8 +20,9 @@ namespace tv {
 using RangeFn = void (*)(void* ctx, int64_t item);
 
 // Runs fn(ctx, i) for every i in [0, n) on up to nthreads threads, the caller among them, and
-// returns when all have run. Items are claimed one at a time in increasing order (whoever is
-// free takes the next), so a thread the OS has descheduled delays at most the item it holds.
+// returns when all have run. Items are claimed in increasing order by whoever is free, a claim
+// taking a shrinking share of what is left (the last ones one by one), so a thread the OS has
+// descheduled delays at most the few items of its last claim (thread_pool.cpp).
 void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx);
 
 // Instruction sets of the GEMV kernels (avx512_kernels.cpp): the AVX2 ones always build; the

@@ -182,8 +182,8 @@ extern "C" {
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x, out contiguous. Rows go in tiles of
 // up to 8 that share each weight load (decode batches: bandwidth-bound up to ~8 rows, then
 // FMA-bound; the weight is re-read once per tile). One parallel region for all tiles: items
-// are (tile, 32 output rows), handed out one at a time, so on a busy machine one descheduled
-// thread does not hold half the matrix.
+// are (tile, 32 output rows), handed out in shrinking claims, so on a busy machine one
+// descheduled thread does not hold half the matrix.
 void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bias, int b_dt,
                void* out, int M, int64_t N, int64_t K, int nthreads) {
   constexpr int64_t kChunk = 32;

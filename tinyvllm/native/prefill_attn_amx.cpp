@@ -221,7 +221,7 @@ TV_AMX void attend_block(const Shape& s, int64_t item) {
 using OmpParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
 
 // Runs f(i) for i in [0, n): on torch's OpenMP team when `omp` is given, else on the thread
-// pool. Items are claimed one at a time either way.
+// pool. Items are claimed as the region goes either way (no static shares).
 template <class F>
 void run_items(OmpParallelFn omp, int64_t n, int nthreads, F&& f) {
   if (omp == nullptr) {

@@ -1,0 +1,102 @@
+"""GGUF block weights moved onto transparent huge pages in place.
+
+Why: a single-stream decode step of SmolLM2-135M Q4_1 reads 96 MiB of layer weights, then the
+30 MiB Q8_0 lm_head, and on a shared host they do not all stay in the cache: the weights
+stream from memory every token. On 4 KiB pages that stream takes a TLB miss every 4 KiB
+(~32,000 per token) and the kernels' software prefetches wait on page walks at every page
+edge. On 2 MiB pages, measured in one process before and after collapsing them (thread CPU
+time, one thread, int8 activations): the decode program back to back 15.1-23.9 -> 8.9-9.7 ms
+(median; min 11.3 -> 7.2), the program in turn with the lm_head 16.9-21.2 -> 11.1-11.8 ms; the
+lm_head alone after the layers (2 threads, wall) 4.4-7.7 -> 2.4 ms.
+
+MADV_COLLAPSE (Linux 6.1+) rewrites 2 MiB-aligned ranges into huge pages: bytes and
+addresses stay the same (results stay bit-identical) and no second copy stays resident. Each
+weight is its own allocation (0.3-30 MiB), so every 2 MiB chunk a weight touches is collapsed
+whole; the heap bytes around the weights that were not resident yet become so (+2-3 MiB RSS
+for SmolLM2). It runs on a background thread (0.1-0.5 s here), off the start-up's critical
+path. Elsewhere (older kernels, THP off, not Linux) the calls fail and the weights keep their
+pages. Copying the weights into one fresh huge-page buffer instead cost ~1.3 s of start-up
+(huge-page faults compact memory) and 84 MiB of peak RSS (the loader's pages stay mapped).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+import threading
+
+import torch
+from torch import nn
+
+from tinyvllm.quant.formats import GGUFBlocks
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+def huge_page_chunks(tensors: list[torch.Tensor]) -> list[int]:
+    """Start addresses of the 2 MiB-aligned chunks that hold any byte of `tensors`, sorted."""
+    chunks: set[int] = set()
+    for t in tensors:
+        first = t.data_ptr() // HUGE_PAGE
+        last = (t.data_ptr() + max(t.numel() * t.element_size(), 1) - 1) // HUGE_PAGE
+        chunks.update(range(first, last + 1))
+    return [c * HUGE_PAGE for c in sorted(chunks)]
+
+
+def collapse_chunks(chunks: list[int], libc: ctypes.CDLL) -> int:
+    """Collapses each 2 MiB chunk onto a huge page; returns the bytes that now are (a chunk the
+    kernel refuses, e.g. file-backed or partly unmapped memory, keeps its pages)."""
+    done = 0
+    for start in chunks:
+        # MADV_HUGEPAGE first: khugepaged then keeps the chunk huge, and MADV_COLLAPSE
+        # honours the "madvise" THP mode.
+        libc.madvise(start, HUGE_PAGE, _MADV_HUGEPAGE)
+        if libc.madvise(start, HUGE_PAGE, _MADV_COLLAPSE) == 0:
+            done += HUGE_PAGE
+    return done
+
+
+def block_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The GGUF block weights of `model` (a tied embedding and lm_head once)."""
+    found: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        if isinstance(m, GGUFBlocks):
+            found.setdefault(m.qweight.data_ptr(), m.qweight)
+    return list(found.values())
+
+
+def move_block_weights_to_huge_pages(model: nn.Module) -> threading.Thread | None:
+    """Collapses the chunks of `block_weights(model)` onto huge pages on a background thread
+    (None: nothing to do, or not Linux). ctypes drops the GIL for each call, so start-up goes
+    on meanwhile, and the pages stay valid throughout (a step reading a chunk being rewritten
+    waits for it). The thread holds the tensors until it is done."""
+    libc = _libc()
+    weights = block_weights(model)
+    if libc is None or not weights:
+        return None
+
+    def collapse_all() -> None:
+        done = collapse_chunks(huge_page_chunks(weights), libc)
+        logger.debug("GGUF block weights on huge pages: %.0f MiB", done / 2**20)
+
+    thread = threading.Thread(target=collapse_all, name="tinyvllm-huge-pages", daemon=True)
+    thread.start()
+    return thread
