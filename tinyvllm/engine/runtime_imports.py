@@ -11,6 +11,7 @@ an engine's cycles (dropped by `/load` in the chat REPL, or by a test) must stay
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import sys
@@ -40,6 +41,10 @@ def import_runtime() -> None:
         if failures:
             raise failures[0]
         gc.freeze()
+        # Back to the collector at exit: interpreter shutdown's collections then free the frozen
+        # cycles too, as they did before; left frozen, extension types still alive at the end
+        # are reported as leaks (triton's nanobind bindings print hundreds of lines).
+        atexit.register(gc.unfreeze)
     finally:
         if was_enabled:
             gc.enable()
