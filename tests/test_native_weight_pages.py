@@ -90,9 +90,9 @@ def test_engine_weights_move_once_and_results_stay_identical(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [{"prompt_token_ids": [5, 17, 99, 3, 42]}]
     before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    weights = weight_pages.block_weights(model)
+    weights = weight_pages.model_weights(model)
     assert len({t.data_ptr() for t in weights}) == len(weights) > 0
-    thread = weight_pages.move_block_weights_to_huge_pages(model)
+    thread = weight_pages.move_weights_to_huge_pages(model)
     if thread is not None:
         thread.join()
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before

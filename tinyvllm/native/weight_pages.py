@@ -1,4 +1,4 @@
-"""GGUF block weights moved onto transparent huge pages in place.
+"""A model's weights (GGUF blocks, dense matrices) moved onto transparent huge pages in place.
 
 Why: a single-stream decode step of SmolLM2-135M Q4_1 reads 96 MiB of layer weights, then the
 30 MiB Q8_0 lm_head, and on a shared host they do not all stay in the cache: the weights
@@ -35,6 +35,9 @@ from tinyvllm.quant.formats import GGUFBlocks
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
+# Smaller dense parameters (norms, biases) share chunks with their neighbours: collapsing
+# around them would make bytes resident that no weight uses.
+DENSE_MIN_BYTES = 256 << 10
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 
@@ -74,28 +77,35 @@ def collapse_chunks(chunks: list[int], libc: ctypes.CDLL) -> int:
     return done
 
 
-def block_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The GGUF block weights of `model` (a tied embedding and lm_head once)."""
+def model_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of `model` worth huge pages: GGUF block weights and dense CPU parameters of
+    `DENSE_MIN_BYTES` and more (a tied embedding and lm_head once). Dense bf16 decode streams
+    its matrices from memory the same way: on a batch-16 step the AMX GEMMs wait mostly on
+    weight tile loads."""
     found: dict[int, torch.Tensor] = {}
     for m in model.modules():
         if isinstance(m, GGUFBlocks):
             found.setdefault(m.qweight.data_ptr(), m.qweight)
+    for p in model.parameters():
+        nbytes = p.numel() * p.element_size()
+        if p.device.type == "cpu" and nbytes >= DENSE_MIN_BYTES:
+            found.setdefault(p.data_ptr(), p.data)
     return list(found.values())
 
 
-def move_block_weights_to_huge_pages(model: nn.Module) -> threading.Thread | None:
-    """Collapses the chunks of `block_weights(model)` onto huge pages on a background thread
+def move_weights_to_huge_pages(model: nn.Module) -> threading.Thread | None:
+    """Collapses the chunks of `model_weights(model)` onto huge pages on a background thread
     (None: nothing to do, or not Linux). ctypes drops the GIL for each call, so start-up goes
     on meanwhile, and the pages stay valid throughout (a step reading a chunk being rewritten
     waits for it). The thread holds the tensors until it is done."""
     libc = _libc()
-    weights = block_weights(model)
+    weights = model_weights(model)
     if libc is None or not weights:
         return None
 
     def collapse_all() -> None:
         done = collapse_chunks(huge_page_chunks(weights), libc)
-        logger.debug("GGUF block weights on huge pages: %.0f MiB", done / 2**20)
+        logger.debug("weights on huge pages: %.0f MiB", done / 2**20)
 
     thread = threading.Thread(target=collapse_all, name="tinyvllm-huge-pages", daemon=True)
     thread.start()

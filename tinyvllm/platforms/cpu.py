@@ -24,7 +24,7 @@ from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
-from tinyvllm.native.weight_pages import move_block_weights_to_huge_pages
+from tinyvllm.native.weight_pages import move_weights_to_huge_pages
 from tinyvllm.platforms.interface import Platform
 from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
 
@@ -177,7 +177,7 @@ class CpuPlatform(Platform):
             )
             logger.debug("oneDNN-prepacked bf16 weight copies: up to %.0f MiB", most / 2**20)
         if self.native is not None:
-            move_block_weights_to_huge_pages(model)
+            move_weights_to_huge_pages(model)
             attach_native_ops(model, self.native)
 
     def attention_backend(self, requested: str | None) -> AttentionBackend:
