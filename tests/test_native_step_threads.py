@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.attention.prefill_amx import torch_omp_parallel
 from tinyvllm.native import NativeCpuOps
 from tinyvllm.native.build import load_library, unsupported_reason
 from tinyvllm.native.step_threads import StepThreadChoice
@@ -71,18 +70,13 @@ def _pool_regions(lib: ctypes.CDLL) -> int:
     return stats[0] + stats[1]  # regions the pool ran, with workers or alone
 
 
-def _linear_case(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, w) of a 2-row linear that splits over threads (a region of several items)."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(256, 64, generator=gen)
-    return torch.randn(2, 64, generator=gen), w
-
-
 @native_only
 def test_governed_pool_runs_alone_when_told() -> None:
     lib = load_library()
     ops = NativeCpuOps(lib, 2)
-    x, w = _linear_case(5)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(256, 64, generator=gen)
+    x = torch.randn(2, 64, generator=gen)
     ref = ops.linear(x, w, None)
     try:
         lib.tv_pool_govern(1)
@@ -95,57 +89,6 @@ def test_governed_pool_runs_alone_when_told() -> None:
     finally:
         lib.tv_pool_govern(0)
     assert torch.equal(got, ref)
-
-
-@native_only
-def test_regions_run_on_torch_openmp_team_while_told() -> None:
-    """tv_pool_use_omp: regions run on torch's OpenMP team (whose workers spin after torch's
-    GEMMs), not on the pool, with the same bits; null hands them back to the pool."""
-    omp = torch_omp_parallel()
-    if omp is None:
-        pytest.skip("torch runs no OpenMP runtime here")
-    lib = load_library()
-    ops = NativeCpuOps(lib, 2)
-    x, w = _linear_case(6)
-    ref = ops.linear(x, w, None)
-    try:
-        lib.tv_pool_use_omp(omp, 2)
-        before = _pool_regions(lib)
-        got = ops.linear(x, w, None)
-        assert _pool_regions(lib) == before  # torch's team ran the region
-    finally:
-        lib.tv_pool_use_omp(None, 0)
-    assert torch.equal(got, ref)
-    assert torch.equal(ops.linear(x, w, None), ref)
-    assert _pool_regions(lib) == before + 1
-
-
-@native_only
-@pytest.mark.parametrize(("tokens", "on_team"), [(65, True), (64, False)])
-def test_long_torch_steps_run_regions_on_torch_team(tokens: int, on_team: bool) -> None:
-    """A step past MAX_LINEAR_ROWS runs every linear on torch's GEMMs: the row kernels and
-    attention between them run on torch's team; shorter steps keep the pool."""
-    from tinyvllm.platforms.cpu import CpuPlatform
-
-    native = NativeCpuOps.load(2)
-    assert native is not None
-    platform = CpuPlatform(torch.device("cpu"), torch.bfloat16, native)
-    if platform._torch_team is None:
-        pytest.skip("torch runs no OpenMP runtime here")
-    x, w = _linear_case(7)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with platform.torch_step(tokens):
-            start = _pool_regions(native.lib)
-            native.linear(x, w, None)
-            in_step = _pool_regions(native.lib) - start
-    finally:
-        torch.set_num_threads(before)
-    assert in_step == (0 if on_team else 1)
-    start = _pool_regions(native.lib)
-    native.linear(x, w, None)
-    assert _pool_regions(native.lib) == start + 1  # the pool's again after the step
 
 
 @native_only

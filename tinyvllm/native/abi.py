@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 8
+ABI_VERSION = 7
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -172,7 +172,6 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         # thread_pool.cpp
         "tv_pool_stats": (None, (_P,)),
         "tv_pool_govern": (None, (_I,)),
-        "tv_pool_use_omp": (None, (_P, _I)),
         # avx512_kernels.cpp
         "tv_set_isa": (c_int, (_I,)),
         # int8_kernels.cpp

@@ -230,50 +230,12 @@ class Pool {
   std::atomic<int> slots_{0};
 };
 
-// libgomp's entry for `#pragma omp parallel` (GOMP_parallel): fn(data) on every thread of a
-// team of num_threads, the caller among them.
-using OmpParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
-
-// tv_pool_use_omp's runtime and thread count (null: regions run on the pool).
-std::atomic<OmpParallelFn> g_omp_parallel{nullptr};
-std::atomic<int> g_omp_threads{0};
-
-// fn(ctx, i) for i in [0, n) on an OpenMP team of nthreads, items claimed one at a time.
-void run_on_omp_team(OmpParallelFn omp, int64_t n, int nthreads, tv::RangeFn fn, void* ctx) {
-  struct Team {
-    std::atomic<int64_t> next{0};
-    int64_t n;
-    tv::RangeFn fn;
-    void* ctx;
-  } team;
-  team.n = n;
-  team.fn = fn;
-  team.ctx = ctx;
-  omp(
-      [](void* p) {
-        Team* t = static_cast<Team*>(p);
-        for (int64_t i = t->next.fetch_add(1); i < t->n; i = t->next.fetch_add(1)) t->fn(t->ctx, i);
-      },
-      &team, static_cast<unsigned>(nthreads), 0);
-}
-
 }  // namespace
 
 namespace tv {
 
 void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx) {
   if (n <= 0) return;
-  const OmpParallelFn omp = g_omp_parallel.load(std::memory_order_relaxed);
-  if (omp != nullptr) {
-    const int team = g_omp_threads.load(std::memory_order_relaxed);
-    nthreads = team < nthreads ? team : nthreads;
-    if (nthreads <= 1 || n == 1) {
-      for (int64_t i = 0; i < n; ++i) fn(ctx, i);
-      return;
-    }
-    run_on_omp_team(omp, n, nthreads, fn, ctx);
-    return;
-  }
   Pool& pool = Pool::get();
   const int governed = pool.governed_.load(std::memory_order_relaxed);
   if (governed > 0 && governed < nthreads) nthreads = governed;
@@ -295,16 +257,4 @@ extern "C" void tv_pool_stats(int64_t* out) {
 // both, tinyvllm/native/step_threads.py); 0 hands the choice back to the pool.
 extern "C" void tv_pool_govern(int threads) {
   Pool::get().governed_.store(threads > 0 ? threads : 0, std::memory_order_relaxed);
-}
-
-// While `omp_parallel` (the address of GOMP_parallel in the OpenMP runtime torch runs its ops
-// on) is set, every region runs on that runtime's team of at most `threads` threads instead of
-// the pool; null hands regions back to the pool. Why: in a step whose GEMMs are torch's, torch's
-// OpenMP workers spin (by default for milliseconds) after each GEMM on the cores the pool's
-// workers would need, so a row kernel between two GEMMs ran on half a core per thread; its own
-// team picks the work up instead.
-extern "C" void tv_pool_use_omp(const void* omp_parallel, int threads) {
-  g_omp_threads.store(threads, std::memory_order_relaxed);
-  g_omp_parallel.store(reinterpret_cast<OmpParallelFn>(const_cast<void*>(omp_parallel)),
-                       std::memory_order_relaxed);
 }

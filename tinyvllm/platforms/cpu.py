@@ -13,7 +13,6 @@ from torch import nn
 
 from tinyvllm.attention.backend import AttentionBackend
 from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
-from tinyvllm.attention.prefill_amx import torch_omp_parallel
 from tinyvllm.models.layers.linear import (
     Fp32CopyBudget,
     attach_fp32_gemm_weights,
@@ -22,7 +21,7 @@ from tinyvllm.models.layers.linear import (
 )
 from tinyvllm.native.decode_route import DecodeRoute
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
-from tinyvllm.native.ops import MAX_LINEAR_ROWS, NativeCpuOps, attach_native_ops
+from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
 from tinyvllm.platforms.interface import Platform
@@ -75,10 +74,6 @@ class CpuPlatform(Platform):
         # The step in progress (one at a time), from `start_step` for `finish_step`.
         self._step_tokens = self._step_start = self._step_restore_threads = 0
         self._step_native = self._step_gemms = self._step_chooses_threads = False
-        # GOMP_parallel of torch's OpenMP runtime (None: none found), and whether the step in
-        # progress runs the native kernels' regions on it (`start_step`).
-        self._torch_team = None if native is None else torch_omp_parallel()
-        self._step_on_torch_team = False
 
     @property
     def quant_kernels(self) -> QuantKernels | None:
@@ -128,15 +123,6 @@ class CpuPlatform(Platform):
                 native_ops.gemv_linears = False
                 self._step_gemms = True
             threads = self._torch_step_threads(num_tokens)
-            if native_ops is not None and self._torch_team is not None:
-                # A step of many rows runs all its linears on torch's GEMMs, whose OpenMP
-                # workers then spin on the cores for a while: the row kernels, attention and
-                # KV stores between them run on that team too (thread_pool.cpp
-                # tv_pool_use_omp), not on the pool's workers, which would compete with them
-                # (SiLU * up of a 4,096-token prefill step: 7.5 vs 3.5 ms a layer).
-                self._step_on_torch_team = num_tokens > MAX_LINEAR_ROWS
-                if self._step_on_torch_team:
-                    native_ops.lib.tv_pool_use_omp(self._torch_team, threads)
         # Set only where it changes (then restored by `finish_step`; 0: nothing to restore,
         # or steps in a row: the next step sets what it needs, the block's end restores).
         before = torch.get_num_threads()
@@ -162,10 +148,6 @@ class CpuPlatform(Platform):
         if self._step_restore_threads:
             torch.set_num_threads(self._step_restore_threads)
         native_ops = self.native
-        if self._step_on_torch_team:
-            assert native_ops is not None
-            native_ops.lib.tv_pool_use_omp(None, 0)
-            self._step_on_torch_team = False
         if self._step_native:
             assert native_ops is not None
             native_ops.step_threads.record(num_tokens, elapsed)
