@@ -54,23 +54,6 @@ def test_packed_copies_give_the_plain_gemm_bitwise_in_their_row_range(bias: bool
 
 
 @packed_only
-@pytest.mark.skipif(not has_native_bf16_matmul(), reason="no bf16 matmul: fp32 copies instead")
-def test_prefill_chunks_take_the_packed_copies_bitwise() -> None:
-    """The CPU platform sends prefill-sized inputs to the copies too (oneDNN's per-call weight
-    reorder cost 8-10% of a 4,096-token step): the same bits as the plain GEMM."""
-    from tinyvllm.platforms.cpu import CpuPlatform
-
-    platform = CpuPlatform(torch.device("cpu"), torch.bfloat16, None)
-    layer = _layer(192, 64, False, seed=5)
-    platform.prepare_model(layer)
-    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
-    with torch.inference_mode():
-        got = layer(x)
-    assert layer.gemm_weight is not None and layer.gemm_weight.is_mkldnn
-    assert torch.equal(got, F.linear(x, layer.weight))
-
-
-@packed_only
 def test_packed_copies_stay_within_the_budget() -> None:
     layers = [_layer(24, 32, False, seed=i) for i in range(3)]
     budget = Fp32CopyBudget(2 * 24 * 32 * 2 + 10)

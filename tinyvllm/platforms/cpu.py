@@ -30,14 +30,12 @@ from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
 logger = logging.getLogger(__name__)
 
 # Row counts whose bf16 GEMMs run on oneDNN-prepacked weight copies where the CPU has bf16
-# matmul (attach_packed_gemm_weights): decode batches the route sends to the layers, mixed
-# steps and prefill chunks. Fewer rows run on the native program (a single stream never takes
-# the copies, not even in the route's trials of the layers). Prefill gains less than decode
-# batches, but still: oneDNN's per-call reorder of the plain weight cost 8-10% of a 4,096-token
-# step of a SmolLM2-135M-shaped model (8 x 512 prompts, 2 Sapphire Rapids cores: 1,077 vs
-# 1,181 ms, the same tokens); the copies are the ones batched decode takes anyway.
+# matmul (attach_packed_gemm_weights): decode batches the route sends to the layers, and small
+# mixed steps. Fewer rows run on the native program (a single stream never takes the copies,
+# not even in the route's trials of the layers); a prefill chunk's thousands of rows amortise
+# oneDNN's per-call reorder of the plain weight.
 PACKED_GEMM_MIN_ROWS = 8
-PACKED_GEMM_MAX_ROWS: int | None = None
+PACKED_GEMM_MAX_ROWS = 256
 
 
 class CpuPlatform(Platform):

@@ -302,10 +302,9 @@ def attach_packed_gemm_weights(
     Where torch's bf16 matmul runs on AMX, `F.linear` reorders the weight into that layout on
     every call: for a decode batch's few dozen rows this is a third of the GEMM's time (SmolLM2-
     135M's 120 linears at 64 rows: 29 ms plain, 21 ms prepacked, on 2 Sapphire Rapids cores);
-    a prefill chunk's thousands of rows amortise most of it (8-10% of a 4,096-row step).
-    Copies are made on first use within `budget` (each the bf16 weight's bytes), so a model
-    whose layers never see an input in the row range never takes them. Returns the bytes the
-    copies may take at most."""
+    a prefill chunk's thousands of rows amortise it. Copies are made on first use within
+    `budget` (each the bf16 weight's bytes), so a model that never runs a batched decode step on
+    its layers never takes them. Returns the bytes the copies may take at most."""
     budget = Fp32CopyBudget() if budget is None else budget
     most = 0
     for module in _float_linears(model):
