@@ -1,6 +1,6 @@
 """Steps that mix prefill chunks with decode queries on the native CPU attention backend:
 the chunks take the torch path, the decode queries the paged decode kernel, and every
-token's output matches the reference."""
+token's output matches the reference; prefill steps store K / V with the native row copy."""
 
 from __future__ import annotations
 
