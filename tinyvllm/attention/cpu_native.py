@@ -64,6 +64,23 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
                 prefill_plan=replace(torch_plan, decode_groups=[]),
             )
 
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        # Row copies: torch's index_copy_ of a prefill step's strided K / V views (4,096 rows
+        # of SmolLM2-135M) took 2-15 ms a layer, these 0.4 ms.
+        if (
+            key.dtype == kv_cache.dtype
+            and value.dtype == kv_cache.dtype
+            and slots.dtype == torch.int64
+            and slots.is_contiguous()
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+            and kv_cache.is_contiguous()
+        ):
+            self.ops.store_kv(key, value, kv_cache, slots)
+        else:
+            super().store_kv(key, value, kv_cache, slots)
+
     def _native_ok(self, layer: Attention, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         return (
             layer.num_heads // layer.num_kv_heads <= MAX_QUERIES_PER_KV

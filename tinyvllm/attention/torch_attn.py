@@ -150,12 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan: _TorchPlan = metadata.plan
         n = metadata.num_actual_tokens
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        slots = metadata.slot_mapping[:n]
-        k_cache.index_copy_(0, slots, key[:n])
-        v_cache.index_copy_(0, slots, value[:n])
+        self.store_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
 
         # CPUs without bf16/fp16 dot-product units emulate those matmuls many times slower than
         # fp32, and attention is a small share of the FLOPs: compute it in fp32 there.
@@ -198,6 +193,14 @@ class TorchAttentionBackend(AttentionBackend):
             for group in plan.decode_groups:
                 out[group.token_idx] = self._decode(layer, q, kv_cache, group).to(out.dtype)
         return out
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """key / value [T, Hkv, D] into the paged cache at `slots`."""
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
     def _prefill(
         self,
