@@ -24,8 +24,8 @@ from tinyvllm.native.llama_decode import LlamaDecodeProgram
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
-from tinyvllm.native.weight_pages import move_weights_to_huge_pages
 from tinyvllm.platforms.interface import Platform
+from tinyvllm.platforms.weight_pages import move_weights_to_huge_pages
 from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
 
 logger = logging.getLogger(__name__)

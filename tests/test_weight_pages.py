@@ -1,5 +1,5 @@
 """GGUF block weights collapsed onto transparent huge pages in place
-(tinyvllm/native/weight_pages.py): same address, same bytes, huge pages where the kernel has
+(tinyvllm.platforms.weight_pages.py): same address, same bytes, huge pages where the kernel has
 them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyvllm.native.weight_pages import HUGE_PAGE, _libc, collapse_chunks, huge_page_chunks
+from tinyvllm.platforms.weight_pages import HUGE_PAGE, _libc, collapse_chunks, huge_page_chunks
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -77,7 +77,7 @@ def test_engine_weights_move_once_and_results_stay_identical(
     from gguf_writer import write_tiny_gguf
 
     from tinyvllm import LLM, SamplingParams
-    from tinyvllm.native import weight_pages
+    from tinyvllm.platforms import weight_pages
 
     q = gguf.GGMLQuantizationType
     path = write_tiny_gguf(
