@@ -24,7 +24,8 @@ def tiny_gguf(tiny_models: Mapping[str, Path], tmp_path_factory: pytest.TempPath
     return path
 
 
-def _run(script: str) -> dict:
+def _python(script: str) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh interpreter; it must exit 0."""
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         env=os.environ,
@@ -33,7 +34,12 @@ def _run(script: str) -> dict:
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run
+
+
+def _run(script: str) -> dict:
+    """The JSON object `script` prints last."""
+    return json.loads(_python(script).stdout.strip().splitlines()[-1])
 
 
 def test_first_engine_freezes_its_imports_not_the_engine(tiny_gguf: Path) -> None:
@@ -115,14 +121,6 @@ def test_frozen_imports_are_collected_again_at_exit(tiny_gguf: Path) -> None:
         import triton  # noqa: F401
         from tinyvllm import LLM
         LLM({str(tiny_gguf)!r}, dtype="float32", max_model_len=64)
-        print("{{}}")
     """
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        env=os.environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "leaked" not in run.stderr, run.stderr[-2000:]
+    stderr = _python(script).stderr
+    assert "leaked" not in stderr, stderr[-2000:]

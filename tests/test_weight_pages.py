@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyvllm.platforms.weight_pages import HUGE_PAGE, _libc, collapse_chunks, huge_page_chunks
+from tinyvllm.platforms.weight_pages import huge_page_chunks
+from tinyvllm.utils.memory import HUGE_PAGE, collapse_onto_huge_pages, huge_pages_supported
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -41,7 +42,9 @@ def _anon_huge_kib(start: int, end: int) -> int:
 
 
 @pytest.mark.skipif(
-    _libc() is None or _thp_mode() not in ("always", "madvise") or not _kernel_has_collapse(),
+    not huge_pages_supported()
+    or _thp_mode() not in ("always", "madvise")
+    or not _kernel_has_collapse(),
     reason="needs Linux 6.1+ with transparent huge pages (always or madvise)",
 )
 def test_collapse_keeps_address_and_bytes_and_takes_huge_pages() -> None:
@@ -54,7 +57,7 @@ def test_collapse_keeps_address_and_bytes_and_takes_huge_pages() -> None:
     first, last = ptr // HUGE_PAGE, (ptr + t.numel() - 1) // HUGE_PAGE
     assert {c // HUGE_PAGE for c in chunks} >= set(range(first, last + 1))
     assert chunks == sorted(set(chunks))
-    moved = collapse_chunks(chunks, _libc())
+    moved = collapse_onto_huge_pages(chunks)
     assert moved >= 5 * HUGE_PAGE  # every chunk of t (the heap may refuse an edge)
     assert t.data_ptr() == ptr
     assert torch.equal(t, before) and torch.equal(small, small_before)

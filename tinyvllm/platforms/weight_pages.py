@@ -9,49 +9,33 @@ time, one thread, int8 activations): the decode program back to back 15.1-23.9 -
 (median; min 11.3 -> 7.2), the program in turn with the lm_head 16.9-21.2 -> 11.1-11.8 ms; the
 lm_head alone after the layers (2 threads, wall) 4.4-7.7 -> 2.4 ms.
 
-MADV_COLLAPSE (Linux 6.1+) rewrites 2 MiB-aligned ranges into huge pages: bytes and
-addresses stay the same (results stay bit-identical) and no second copy stays resident. Each
-weight is its own allocation (0.3-30 MiB), so every 2 MiB chunk a weight touches is collapsed
-whole; the heap bytes around the weights that were not resident yet become so (+2-3 MiB RSS
-for SmolLM2). It runs on a background thread (0.1-0.5 s here), off the start-up's critical
-path. Elsewhere (older kernels, THP off, not Linux) the calls fail and the weights keep their
-pages. Copying the weights into one fresh huge-page buffer instead cost ~1.3 s of start-up
-(huge-page faults compact memory) and 84 MiB of peak RSS (the loader's pages stay mapped).
+MADV_COLLAPSE (Linux 6.1+; utils/memory.py) rewrites 2 MiB-aligned ranges into huge pages:
+bytes and addresses stay the same (results stay bit-identical) and no second copy stays
+resident. Each weight is its own allocation (0.3-30 MiB), so every 2 MiB chunk a weight touches
+is collapsed whole; the heap bytes around the weights that were not resident yet become so
+(peak RSS +6 MiB for SmolLM2 Q4_1). It runs on a background thread (0.1-0.5 s here), off the
+start-up's critical path. Elsewhere (older kernels, THP off, not Linux) the calls fail and the
+weights keep their pages. Copying the weights into one fresh huge-page buffer instead cost ~1.3
+s of start-up (huge-page faults compact memory) and 84 MiB of peak RSS (the loader's pages stay
+mapped).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
 import threading
 
 import torch
 from torch import nn
 
 from tinyvllm.quant.formats import GGUFBlocks
+from tinyvllm.utils.memory import HUGE_PAGE, collapse_onto_huge_pages, huge_pages_supported
 
 logger = logging.getLogger(__name__)
 
-HUGE_PAGE = 2 << 20
 # Smaller dense parameters (norms, biases) share chunks with their neighbours: collapsing
 # around them would make bytes resident that no weight uses.
 DENSE_MIN_BYTES = 256 << 10
-_MADV_HUGEPAGE = 14
-_MADV_COLLAPSE = 25
-
-
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc
 
 
 def huge_page_chunks(tensors: list[torch.Tensor]) -> list[int]:
@@ -62,19 +46,6 @@ def huge_page_chunks(tensors: list[torch.Tensor]) -> list[int]:
         last = (t.data_ptr() + max(t.numel() * t.element_size(), 1) - 1) // HUGE_PAGE
         chunks.update(range(first, last + 1))
     return [c * HUGE_PAGE for c in sorted(chunks)]
-
-
-def collapse_chunks(chunks: list[int], libc: ctypes.CDLL) -> int:
-    """Collapses each 2 MiB chunk onto a huge page; returns the bytes that now are (a chunk the
-    kernel refuses, e.g. file-backed or partly unmapped memory, keeps its pages)."""
-    done = 0
-    for start in chunks:
-        # MADV_HUGEPAGE first: khugepaged then keeps the chunk huge, and MADV_COLLAPSE
-        # honours the "madvise" THP mode.
-        libc.madvise(start, HUGE_PAGE, _MADV_HUGEPAGE)
-        if libc.madvise(start, HUGE_PAGE, _MADV_COLLAPSE) == 0:
-            done += HUGE_PAGE
-    return done
 
 
 def model_weights(model: nn.Module) -> list[torch.Tensor]:
@@ -95,16 +66,15 @@ def model_weights(model: nn.Module) -> list[torch.Tensor]:
 
 def move_weights_to_huge_pages(model: nn.Module) -> threading.Thread | None:
     """Collapses the chunks of `model_weights(model)` onto huge pages on a background thread
-    (None: nothing to do, or not Linux). ctypes drops the GIL for each call, so start-up goes
-    on meanwhile, and the pages stay valid throughout (a step reading a chunk being rewritten
+    (None: nothing to do, or not Linux). The GIL is free during each madvise, so start-up
+    goes on meanwhile, and the pages stay valid throughout (a step reading a chunk being rewritten
     waits for it). The thread holds the tensors until it is done."""
-    libc = _libc()
     weights = model_weights(model)
-    if libc is None or not weights:
+    if not huge_pages_supported() or not weights:
         return None
 
     def collapse_all() -> None:
-        done = collapse_chunks(huge_page_chunks(weights), libc)
+        done = collapse_onto_huge_pages(huge_page_chunks(weights))
         logger.debug("weights on huge pages: %.0f MiB", done / 2**20)
 
     thread = threading.Thread(target=collapse_all, name="tinyvllm-huge-pages", daemon=True)

@@ -1,10 +1,12 @@
-"""Giving freed memory back to the operating system."""
+"""The C heap and page tables: giving freed memory back to the OS, keeping it mapped, huge
+pages."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import sys
 from typing import Any
 
 
@@ -57,3 +59,36 @@ def keep_freed_heap_mapped(max_free_bytes: int) -> bool:
     # Setting either disables glibc's dynamic thresholds, so both are set.
     ok = mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD) == 1
     return bool(mallopt(_M_TRIM_THRESHOLD, max_free_bytes) == 1 and ok)
+
+
+HUGE_PAGE = 2 << 20
+# Linux madvise advice values (asm-generic/mman-common.h).
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25
+
+
+def huge_pages_supported() -> bool:
+    """Whether `collapse_onto_huge_pages` can ask the kernel at all (Linux with libc's madvise);
+    whether it agrees depends on the kernel (6.1+) and its THP mode."""
+    libc = _libc()
+    return sys.platform.startswith("linux") and getattr(libc, "madvise", None) is not None
+
+
+def collapse_onto_huge_pages(chunks: list[int]) -> int:
+    """Collapses each 2 MiB-aligned chunk (start addresses) onto a huge page in place: same
+    addresses, same bytes. Returns the bytes that now are (a chunk the kernel refuses, e.g.
+    file-backed or partly unmapped memory, keeps its pages; 0 where unsupported). ctypes drops
+    the GIL for each call."""
+    if not huge_pages_supported():
+        return 0
+    madvise = _libc().madvise
+    size = ctypes.c_size_t(HUGE_PAGE)
+    done = 0
+    for start in chunks:
+        address = ctypes.c_void_p(start)
+        # MADV_HUGEPAGE first: khugepaged then keeps the chunk huge, and MADV_COLLAPSE
+        # honours the "madvise" THP mode.
+        madvise(address, size, _MADV_HUGEPAGE)
+        if madvise(address, size, _MADV_COLLAPSE) == 0:
+            done += HUGE_PAGE
+    return done
