@@ -96,6 +96,31 @@ def test_route_only_with_bf16_weights_on_a_cpu_with_bf16_matmul(tiny_models, mon
 
 
 @native_only
+def test_with_amx_linears_every_step_stays_on_the_program(tiny_models, monkeypatch) -> None:
+    """The program's AMX linears beat torch's GEMMs at every row count it takes: no step is
+    sent to the layers to be measured. Without AMX the route measures both paths."""
+    path = str(tiny_models["llama"])
+    import tinyvllm.platforms.cpu as cpu
+
+    monkeypatch.setattr(cpu, "has_native_bf16_matmul", lambda: True)
+    for amx in (True, False):
+        monkeypatch.setattr(NativeCpuOps, "__init__", _with_amx(NativeCpuOps.__init__, amx))
+        route = LLM(path, dtype="bfloat16", max_model_len=64).engine.runner.platform.decode_route
+        assert route is not None
+        assert route.fixed == (PROGRAM if amx else None)
+        if amx:
+            assert all(route.takes_program(rows) for rows in (1, 16, 64) for _ in range(50))
+
+
+def _with_amx(init, amx: bool):  # type: ignore[no-untyped-def]
+    def wrapped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        self.amx_linears = amx
+
+    return wrapped
+
+
+@native_only
 def test_only_routed_steps_leave_linears_to_torch() -> None:
     from tinyvllm.platforms.cpu import CpuPlatform
 

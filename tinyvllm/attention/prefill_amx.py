@@ -58,7 +58,7 @@ class AmxPrefillAttention:
     @classmethod
     def load(cls, lib: ctypes.CDLL, num_threads: int) -> AmxPrefillAttention | None:
         """The kernel where the CPU has AMX-BF16 and the OS grants its tiles (None elsewhere)."""
-        if not lib.tv_prefill_attn_amx_supported():
+        if not lib.tv_amx_supported():
             return None
         return cls(lib, num_threads, torch_omp_parallel())
 

@@ -176,8 +176,9 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_set_isa": (c_int, (_I,)),
         # int8_kernels.cpp
         "tv_int8_act_supported": (c_int, (_I,)),
+        # amx_linear.cpp
+        "tv_amx_supported": (c_int, ()),
         # prefill_attn_amx.cpp
-        "tv_prefill_attn_amx_supported": (c_int, ()),
         "tv_prefill_attn_amx": (None, (_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _F, _I, _P)),
     }
 )

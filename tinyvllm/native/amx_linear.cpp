@@ -159,3 +159,7 @@ bool linear_bf16_amx(const uint16_t* x, const uint16_t* w, const void* bias, int
 }
 
 }  // namespace tv
+
+// 1 when the CPU has AMX-BF16 and the OS lets this process use its tiles: the AMX linears
+// above and the AMX prefill attention (prefill_attn_amx.cpp) run.
+extern "C" int tv_amx_supported() { return tv::amx_supported() ? 1 : 0; }

@@ -62,6 +62,8 @@ class NativeCpuOps:
         self.step_threads = StepThreadChoice(num_threads)
         # Whether the AVX-512 row kernels (any number of rows) run on this CPU.
         self.row_kernels = bool(lib.tv_rows_supported())
+        # Whether bf16 linears of 16+ rows run on AMX tiles (amx_linear.cpp).
+        self.amx_linears = bool(lib.tv_amx_supported())
         # False during a decode step the route sent to torch's GEMMs (CpuPlatform.start_step):
         # linears leave even decode-sized inputs to torch.
         self.gemv_linears = True

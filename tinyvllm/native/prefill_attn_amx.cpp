@@ -246,10 +246,7 @@ void run_items(OmpParallelFn omp, int64_t n, int nthreads, F&& f) {
 }  // namespace
 }  // namespace tv
 
-// 1 when the CPU has AMX-BF16 and the OS lets this process use its tiles.
-extern "C" int tv_prefill_attn_amx_supported() { return tv::amx_supported() ? 1 : 0; }
-
-// See the top of the file; call only where tv_prefill_attn_amx_supported() returned 1.
+// See the top of the file; call only where tv_amx_supported() (amx_linear.cpp) returned 1.
 // `omp_parallel`: the address of GOMP_parallel in the OpenMP runtime torch runs its ops on, or
 // null for the library's thread pool. Why torch's team: this call sits between torch GEMMs,
 // after which torch's OpenMP workers spin (by default for milliseconds) on the cores the
