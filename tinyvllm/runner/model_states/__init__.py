@@ -53,8 +53,7 @@ _KINDS = MappingProxyType(
 )
 # class -> module, for `from tinyvllm.runner.model_states import MRopeModelState`.
 _MODULES = MappingProxyType(
-    {name: module for module, name in _KINDS.values()}
-    | {"VideoPruningModelState": "video_pruning"}
+    {name: module for module, name in _KINDS.values()} | {"VideoPruningModelState": "video_pruning"}
 )
 
 
