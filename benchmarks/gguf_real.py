@@ -16,6 +16,10 @@ other). Usage: see benchmarks/README.md.
 
 from __future__ import annotations
 
+# isort: off
+import tinyvllm_first  # noqa: F401  (before torch: see tinyvllm_first.py)
+
+# isort: on
 import argparse
 import json
 import multiprocessing

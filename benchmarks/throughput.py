@@ -7,6 +7,10 @@ optionally writes the same numbers as JSON. Usage: see benchmarks/README.md.
 
 from __future__ import annotations
 
+# isort: off
+import tinyvllm_first  # noqa: F401  (before torch: see tinyvllm_first.py)
+
+# isort: on
 import argparse
 import importlib.util
 import json
