@@ -125,6 +125,38 @@ def test_generate_holds_inference_mode_across_steps(tiny_models) -> None:
     assert at_entry and not any(at_entry) and all(inside)
 
 
+def test_async_engine_thread_holds_inference_mode_across_steps(tiny_models) -> None:
+    """AsyncLLM's engine thread holds inference mode for its life, as LLM.generate does
+    across its steps: the runner never enters it per step."""
+    import asyncio
+
+    from tinyvllm import AsyncLLM
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64)
+    runner = llm.engine.runner
+    at_entry: list[bool] = []
+    outer = runner.execute_model
+
+    def entered(sched: Any) -> Any:
+        at_entry.append(torch.is_inference_mode_enabled())
+        return outer(sched)
+
+    runner.execute_model = entered
+    engine = AsyncLLM(llm.engine)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def run() -> None:
+        async for _ in engine.generate({"prompt_token_ids": [1, 2, 3]}, sp, "r"):
+            pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown(timeout=30)
+    assert at_entry and all(at_entry)
+    assert not torch.is_inference_mode_enabled()
+
+
 @native_only
 def test_decode_steps_in_a_row_set_torch_threads_once(
     tiny_models, two_torch_threads, monkeypatch

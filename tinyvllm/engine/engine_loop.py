@@ -122,8 +122,14 @@ class EngineLoop:
         # select(), e.g. a REPL's readline prompt, until the next key press.
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        import torch  # loaded by now: the engine this loop drives is built
+
         try:
-            self._loop()
+            # Held for the thread's life (inference mode is per thread, and only engine work
+            # runs here), so the runner does not enter it per step, as LLM.generate holds it
+            # across its steps.
+            with torch.inference_mode():
+                self._loop()
         except BaseException as exc:  # never leave a stream waiting on a dead thread
             logger.exception("the engine loop died")
             self._die(exc)
