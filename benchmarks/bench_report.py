@@ -3,10 +3,6 @@ average) and throughput.py's markdown table and JSON."""
 
 from __future__ import annotations
 
-# isort: off
-import tinyvllm_first  # noqa: F401  (before torch: see tinyvllm_first.py)
-
-# isort: on
 import argparse
 import datetime
 import os

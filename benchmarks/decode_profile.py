@@ -18,10 +18,6 @@ both by 2x within a minute.
 
 from __future__ import annotations
 
-# isort: off
-import tinyvllm_first  # noqa: F401  (before torch: see tinyvllm_first.py)
-
-# isort: on
 import argparse
 import functools
 import time

@@ -16,10 +16,6 @@ other). Usage: see benchmarks/README.md.
 
 from __future__ import annotations
 
-# isort: off
-import tinyvllm_first  # noqa: F401  (before torch: see tinyvllm_first.py)
-
-# isort: on
 import argparse
 import json
 import multiprocessing

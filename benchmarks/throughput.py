@@ -7,10 +7,6 @@ optionally writes the same numbers as JSON. Usage: see benchmarks/README.md.
 
 from __future__ import annotations
 
-# isort: off
-import tinyvllm_first  # noqa: F401  (before torch: see tinyvllm_first.py)
-
-# isort: on
 import argparse
 import importlib.util
 import json

@@ -14,12 +14,6 @@ into tinyvllm's cache as `tinyvllm chat` / `LLM(name)` would (`pip install --no-
 
 from __future__ import annotations
 
-# isort: off
-# Before anything imports torch, as a user's `from tinyvllm import LLM` does: torch's OpenMP
-# workers then sleep between regions instead of spinning (tinyvllm/utils/omp.py).
-import tinyvllm  # noqa: F401
-
-# isort: on
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path

@@ -47,6 +47,7 @@ HEADERS = (
     Path(__file__).with_name("common.h"),
     Path(__file__).with_name("avx512_math.h"),
     Path(__file__).with_name("amx_tiles.h"),
+    Path(__file__).with_name("omp_team.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
 # No OpenMP: thread_pool.cpp is the library's own runtime (a second OpenMP next to torch's

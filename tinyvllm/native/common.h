@@ -157,14 +157,17 @@ void tv_gelu_tanh_mul(const void* x, void* out, int dt, int64_t T, int64_t D);
 void tv_rope(void* q, int64_t q_stride, int64_t hq, void* k, int64_t k_stride, int64_t hkv,
              int dt, int64_t T, int64_t head_dim, int64_t rot, const int64_t* positions,
              const float* cos_c, const float* sin_c);
-// row_kernels.cpp: the same three on the thread pool with AVX-512 bodies, where they run.
+// row_kernels.cpp: the same three with AVX-512 bodies, where they run, on the thread pool or
+// on torch's OpenMP team (omp_parallel: GOMP_parallel's address, or null for the pool).
 int tv_rows_supported();
 void tv_rows_rms_norm(const void* x, void* residual, const void* weight, void* out, int dt,
-                      int64_t T, int64_t H, float eps, int nthreads);
-void tv_rows_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D, int nthreads);
+                      int64_t T, int64_t H, float eps, int nthreads, const void* omp_parallel);
+void tv_rows_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D, int nthreads,
+                      const void* omp_parallel);
 void tv_rows_rope(void* q, int64_t q_stride, int64_t hq, void* k, int64_t k_stride, int64_t hkv,
                   int dt, int64_t T, int64_t head_dim, int64_t rot, const int64_t* positions,
-                  const float* cos_c, const float* sin_c, int nthreads);
+                  const float* cos_c, const float* sin_c, int nthreads,
+                  const void* omp_parallel);
 void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, int64_t T,
                  int64_t width, int elem, void* k_cache, void* v_cache, const int64_t* slots);
 void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t n,

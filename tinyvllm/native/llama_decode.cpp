@@ -102,14 +102,14 @@ bool row_kernels() {
 void rms_norm(const TvModel* m, const void* x, void* residual, const void* w, void* out,
               int64_t B) {
   if (row_kernels())
-    tv_rows_rms_norm(x, residual, w, out, m->dt, B, m->hidden, m->eps, m->nthreads);
+    tv_rows_rms_norm(x, residual, w, out, m->dt, B, m->hidden, m->eps, m->nthreads, nullptr);
   else
     tv_rms_norm(x, residual, w, out, m->dt, B, m->hidden, m->eps);
 }
 
 void silu_mul(const TvModel* m, const void* x, void* out, int64_t B) {
   if (row_kernels())
-    tv_rows_silu_mul(x, out, m->dt, B, m->inter, m->nthreads);
+    tv_rows_silu_mul(x, out, m->dt, B, m->inter, m->nthreads, nullptr);
   else
     tv_silu_mul(x, out, m->dt, B, m->inter);
 }
@@ -120,7 +120,7 @@ void rope(const TvModel* m, const TvLayer& L, void* q, void* k, int64_t W, int64
   const float* s = L.sin_c ? L.sin_c : m->sin_c;
   if (row_kernels())
     tv_rows_rope(q, W, m->hq, k, W, m->hkv, m->dt, B, m->head_dim, m->rot, positions, c, s,
-                 m->nthreads);
+                 m->nthreads, nullptr);
   else
     tv_rope(q, W, m->hq, k, W, m->hkv, m->dt, B, m->head_dim, m->rot, positions, c, s);
 }

@@ -64,6 +64,10 @@ class NativeCpuOps:
         self.row_kernels = bool(lib.tv_rows_supported())
         # Whether bf16 linears of 16+ rows run on AMX tiles (amx_linear.cpp).
         self.amx_linears = bool(lib.tv_amx_supported())
+        # GOMP_parallel of torch's OpenMP runtime while the row kernels (norms, SiLU, rope) of
+        # a step torch runs go to its team, whose workers spin between torch's ops (set by the
+        # CPU platform per step where torch's waits spin, see utils/omp.py); None: the pool.
+        self.row_team: int | None = None
         # False during a decode step the route sent to torch's GEMMs (CpuPlatform.start_step):
         # linears leave even decode-sized inputs to torch.
         self.gemv_linears = True
@@ -123,10 +127,17 @@ class NativeCpuOps:
         args = (x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
                 _DTYPE_CODES[x.dtype], t, h, eps)  # fmt: skip
         if self.row_kernels:
-            self.lib.tv_rows_rms_norm(*args, self.num_threads)
+            self.lib.tv_rows_rms_norm(*args, *self._row_threads())
         else:
             self.lib.tv_rms_norm(*args)
         return out
+
+    def _row_threads(self) -> tuple[int, int | None]:
+        """(threads, team) of a row kernel: the pool's threads, or as many of torch's team as
+        torch's ops of this step use."""
+        if self.row_team is None:
+            return self.num_threads, None
+        return torch.get_num_threads(), self.row_team
 
     def head_norm_(self, x: torch.Tensor, head_dim: int, weight: torch.Tensor, eps: float) -> None:
         """RMSNorm each head of x [T, heads * head_dim] in place (rows may be strided)."""
@@ -146,8 +157,9 @@ class NativeCpuOps:
             t, d2 = x.shape
             out = torch.empty((t, d2 // 2), dtype=x.dtype)
             self.lib.tv_rows_silu_mul(
-                x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], t, d2 // 2, self.num_threads
-            )
+                x.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype], t, d2 // 2,
+                *self._row_threads(),
+            )  # fmt: skip
             return out
         return self._gated(self.lib.tv_silu_mul, x)
 
@@ -171,7 +183,7 @@ class NativeCpuOps:
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         )  # fmt: skip
         if self.row_kernels:
-            self.lib.tv_rows_rope(*args, self.num_threads)
+            self.lib.tv_rows_rope(*args, *self._row_threads())
         else:
             self.lib.tv_rope(*args)
 

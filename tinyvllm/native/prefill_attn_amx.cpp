@@ -33,6 +33,7 @@
 #include "amx_tiles.h"
 #include "avx512_math.h"
 #include "common.h"
+#include "omp_team.h"
 
 namespace tv {
 namespace {
@@ -216,33 +217,6 @@ TV_AMX void attend_block(const Shape& s, int64_t item) {
   _tile_release();
 }
 
-// libgomp's entry for `#pragma omp parallel` (GOMP_parallel): fn(data) on every thread of a
-// team of num_threads, the caller among them.
-using OmpParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
-
-// Runs f(i) for i in [0, n): on torch's OpenMP team when `omp` is given, else on the thread
-// pool. Items are claimed as the region goes either way (no static shares).
-template <class F>
-void run_items(OmpParallelFn omp, int64_t n, int nthreads, F&& f) {
-  if (omp == nullptr) {
-    parallel_for(n, nthreads, f);
-    return;
-  }
-  struct Ctx {
-    std::atomic<int64_t> next{0};
-    int64_t n;
-    F* f;
-  } ctx;
-  ctx.n = n;
-  ctx.f = &f;
-  omp(
-      [](void* c) {
-        Ctx* x = static_cast<Ctx*>(c);
-        for (int64_t i = x->next.fetch_add(1); i < x->n; i = x->next.fetch_add(1)) (*x->f)(i);
-      },
-      &ctx, static_cast<unsigned>(nthreads), 0);
-}
-
 }  // namespace
 }  // namespace tv
 
@@ -255,7 +229,7 @@ extern "C" void tv_prefill_attn_amx(const void* q, const void* k, const void* v,
                                     int64_t B, int64_t L, int64_t Hq, int64_t Hkv,
                                     int64_t q_stride, int64_t kv_stride, int64_t out_stride,
                                     float scale, int nthreads, const void* omp_parallel) {
-  const auto omp = reinterpret_cast<tv::OmpParallelFn>(const_cast<void*>(omp_parallel));
+  const tv::OmpParallelFn omp = tv::omp_team(omp_parallel);
   tv::Shape s{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
               static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), B, L, Hq, Hkv,
               q_stride, kv_stride, out_stride, scale, 0, nullptr, nullptr};

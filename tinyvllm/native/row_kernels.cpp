@@ -12,6 +12,7 @@
 
 #include "avx512_math.h"
 #include "common.h"
+#include "omp_team.h"
 
 #include <math.h>
 
@@ -136,10 +137,11 @@ TV_AVX512 void rope_head(T* x, const float* c, const float* s, int64_t half) {
   }
 }
 
+// f(t) for every row t, in blocks of rows claimed on the pool or on `omp`'s team (omp_team.h).
 template <class F>
-void for_row_blocks(int64_t T, int nthreads, F&& f) {
+void for_row_blocks(int64_t T, int nthreads, OmpParallelFn omp, F&& f) {
   const int64_t items = (T + kRowsPerItem - 1) / kRowsPerItem;
-  parallel_for(items, nthreads, [&](int64_t item) {
+  run_items(omp, items, nthreads, [&](int64_t item) {
     const int64_t t1 = (item + 1) * kRowsPerItem < T ? (item + 1) * kRowsPerItem : T;
     for (int64_t t = item * kRowsPerItem; t < t1; ++t) f(t);
   });
@@ -147,22 +149,22 @@ void for_row_blocks(int64_t T, int nthreads, F&& f) {
 
 template <class T>
 void rms_norm_rows(const T* x, T* res, const T* w, T* out, int64_t T_, int64_t H, float eps,
-                   int nthreads) {
-  for_row_blocks(T_, nthreads, [&](int64_t t) {
+                   int nthreads, OmpParallelFn omp) {
+  for_row_blocks(T_, nthreads, omp, [&](int64_t t) {
     rms_norm_row(x + t * H, res ? res + t * H : nullptr, w, out + t * H, H, eps);
   });
 }
 
 template <class T>
-void silu_mul_rows(const T* x, T* out, int64_t T_, int64_t D, int nthreads) {
-  for_row_blocks(T_, nthreads, [&](int64_t t) { silu_mul_row(x + t * 2 * D, out + t * D, D); });
+void silu_mul_rows(const T* x, T* out, int64_t T_, int64_t D, int nthreads, OmpParallelFn omp) {
+  for_row_blocks(T_, nthreads, omp, [&](int64_t t) { silu_mul_row(x + t * 2 * D, out + t * D, D); });
 }
 
 template <class T>
 void rope_rows(T* q, int64_t q_stride, int64_t hq, T* k, int64_t k_stride, int64_t hkv,
                int64_t T_, int64_t head_dim, int64_t rot, const int64_t* positions,
-               const float* cos_c, const float* sin_c, int nthreads) {
-  for_row_blocks(T_, nthreads, [&](int64_t t) {
+               const float* cos_c, const float* sin_c, int nthreads, OmpParallelFn omp) {
+  for_row_blocks(T_, nthreads, omp, [&](int64_t t) {
     const float* c = cos_c + positions[t] * rot;  // rows hold [freqs | freqs]
     const float* s = sin_c + positions[t] * rot;
     for (int64_t h = 0; h < hq; ++h) rope_head(q + t * q_stride + h * head_dim, c, s, rot / 2);
@@ -182,37 +184,45 @@ int tv_rows_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? 1 : 0;
 }
 
-// tv_rms_norm (cpu_kernels.cpp) over T rows on the thread pool.
+// The tv_rows_* kernels run on the thread pool, or on the OpenMP team of `omp_parallel` (the
+// address of GOMP_parallel in torch's runtime; null: the pool), see omp_team.h.
+
+// tv_rms_norm (cpu_kernels.cpp) over T rows.
 void tv_rows_rms_norm(const void* x, void* residual, const void* weight, void* out, int dt,
-                      int64_t T, int64_t H, float eps, int nthreads) {
+                      int64_t T, int64_t H, float eps, int nthreads, const void* omp_parallel) {
+  const OmpParallelFn omp = omp_team(omp_parallel);
   if (dt)
     rms_norm_rows(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
                   static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), T, H, eps,
-                  nthreads);
+                  nthreads, omp);
   else
     rms_norm_rows(static_cast<const float*>(x), static_cast<float*>(residual),
                   static_cast<const float*>(weight), static_cast<float*>(out), T, H, eps,
-                  nthreads);
+                  nthreads, omp);
 }
 
-// tv_silu_mul over T rows on the thread pool.
-void tv_rows_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D, int nthreads) {
+// tv_silu_mul over T rows.
+void tv_rows_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D, int nthreads,
+                      const void* omp_parallel) {
+  const OmpParallelFn omp = omp_team(omp_parallel);
   if (dt)
-    silu_mul_rows(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, D, nthreads);
+    silu_mul_rows(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, D, nthreads,
+                  omp);
   else
-    silu_mul_rows(static_cast<const float*>(x), static_cast<float*>(out), T, D, nthreads);
+    silu_mul_rows(static_cast<const float*>(x), static_cast<float*>(out), T, D, nthreads, omp);
 }
 
-// tv_rope over T rows on the thread pool.
+// tv_rope over T rows.
 void tv_rows_rope(void* q, int64_t q_stride, int64_t hq, void* k, int64_t k_stride, int64_t hkv,
                   int dt, int64_t T, int64_t head_dim, int64_t rot, const int64_t* positions,
-                  const float* cos_c, const float* sin_c, int nthreads) {
+                  const float* cos_c, const float* sin_c, int nthreads, const void* omp_parallel) {
+  const OmpParallelFn omp = omp_team(omp_parallel);
   if (dt)
     rope_rows(static_cast<uint16_t*>(q), q_stride, hq, static_cast<uint16_t*>(k), k_stride, hkv,
-              T, head_dim, rot, positions, cos_c, sin_c, nthreads);
+              T, head_dim, rot, positions, cos_c, sin_c, nthreads, omp);
   else
     rope_rows(static_cast<float*>(q), q_stride, hq, static_cast<float*>(k), k_stride, hkv, T,
-              head_dim, rot, positions, cos_c, sin_c, nthreads);
+              head_dim, rot, positions, cos_c, sin_c, nthreads, omp);
 }
 
 }  // extern "C"

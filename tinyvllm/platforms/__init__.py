@@ -32,11 +32,8 @@ def select_platform(
     if device.type == "cpu":
         from tinyvllm.native.ops import NativeCpuOps
         from tinyvllm.platforms.cpu import CpuPlatform
-        from tinyvllm.utils.omp import warn_if_omp_waits_spin
 
         native = None if enforce_eager else NativeCpuOps.load()
-        if native is not None:
-            warn_if_omp_waits_spin()
         return CpuPlatform(device, dtype, native, fp32_weight_copy_bytes)
     if device.type == "cuda" and not enforce_eager:
         return CudaPlatform(device, dtype)

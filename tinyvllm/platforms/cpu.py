@@ -21,12 +21,14 @@ from tinyvllm.models.layers.linear import (
 )
 from tinyvllm.native.decode_route import PROGRAM, DecodeRoute
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
+from tinyvllm.native.omp_team import torch_omp_parallel
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
 from tinyvllm.platforms.interface import Platform
 from tinyvllm.platforms.weight_pages import move_weights_to_huge_pages
 from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
+from tinyvllm.utils.omp import omp_waits_spin
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,13 @@ class CpuPlatform(Platform):
         self.decode_route: DecodeRoute | None = None
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
+        )
+        # torch's OpenMP team, where its workers spin between ops (torch was imported before
+        # tinyvllm, see utils/omp.py): the row kernels of a step torch runs go to that team,
+        # as the prefill attention does, instead of the pool's workers competing with the
+        # spinning ones for the cores (8 x 512-token prefill: norms 196 -> ~100 ms).
+        self._spinning_team = (
+            torch_omp_parallel() if native is not None and omp_waits_spin() else None
         )
         # Inside `steps_in_a_row`: torch's thread count before the block (0: outside one).
         self._threads_before_steps = 0
@@ -123,6 +132,8 @@ class CpuPlatform(Platform):
                 native_ops.gemv_linears = False
                 self._step_gemms = True
             threads = self._torch_step_threads(num_tokens)
+            if native_ops is not None:
+                native_ops.row_team = self._spinning_team
         # Set only where it changes (then restored by `finish_step`; 0: nothing to restore,
         # or steps in a row: the next step sets what it needs, the block's end restores).
         before = torch.get_num_threads()
@@ -155,6 +166,8 @@ class CpuPlatform(Platform):
         elif self._step_gemms:
             assert native_ops is not None
             native_ops.gemv_linears = True
+        if native_ops is not None:
+            native_ops.row_team = None
         if self._step_chooses_threads:
             self.torch_threads.record(num_tokens, elapsed)
         route = self.decode_route

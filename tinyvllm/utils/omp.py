@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 
 logger = logging.getLogger(__name__)
 
@@ -31,25 +30,7 @@ def prefer_passive_omp_waits() -> bool:
 
 
 def omp_waits_spin() -> bool:
-    """Whether torch's OpenMP workers spin between regions: neither this package (imported
-    before torch) nor the user chose a wait policy."""
+    """Whether torch's OpenMP workers spin between parallel regions: neither this package
+    (imported before torch) nor the user chose a wait policy. The CPU platform then runs the
+    row kernels of the steps torch runs on torch's team (native/omp_team.py)."""
     return "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
-
-
-def warn_if_omp_waits_spin() -> None:
-    """Say once per call site how to stop torch's OpenMP workers spinning when they do.
-
-    Why it matters: between torch's GEMMs of a prefill step its idle workers spin on the
-    cores the native kernels' pool then runs on, which halves the pool's row kernels (norms,
-    SiLU, rope: 8 x 512-token prefill on a 2-vCPU Sapphire Rapids, 196 -> 92 ms of norms
-    with passive waits) and costs far more when another program holds a core.
-    """
-    if omp_waits_spin():
-        warnings.warn(
-            "torch was imported before tinyvllm, so torch's OpenMP workers spin between "
-            "parallel regions on the cores tinyvllm's native kernels use (prefill up to ~30% "
-            "slower, much worse under load). Import tinyvllm before torch, or set "
-            "OMP_WAIT_POLICY=PASSIVE in the environment.",
-            RuntimeWarning,
-            stacklevel=3,
-        )

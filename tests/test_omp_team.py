@@ -1,0 +1,78 @@
+"""Where torch's OpenMP workers spin between its ops (no wait policy chosen: torch was
+imported before tinyvllm), the row kernels of the steps torch runs go to torch's own team
+instead of the native pool (tinyvllm/native/omp_team.py); decode steps on the native program
+keep the pool. Same kernels, same bits either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.native import NativeCpuOps
+from tinyvllm.native.build import unsupported_reason
+from tinyvllm.native.omp_team import torch_omp_parallel
+
+pytestmark = pytest.mark.skipif(
+    unsupported_reason() is not None or torch_omp_parallel() is None,
+    reason="needs the native kernels and torch on an OpenMP runtime",
+)
+
+
+def test_row_kernels_on_the_team_match_the_pool() -> None:
+    ops = NativeCpuOps.load()
+    if ops is None or not ops.row_kernels:
+        pytest.skip("no AVX-512 row kernels on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 192, generator=gen).to(torch.bfloat16)
+    res = torch.randn(300, 192, generator=gen).to(torch.bfloat16)
+    w = torch.randn(192, generator=gen).to(torch.bfloat16)
+    gate_up = torch.randn(300, 384, generator=gen).to(torch.bfloat16)
+
+    def run() -> list[torch.Tensor]:
+        r = res.clone()
+        return [ops.rms_norm(x, r, w, 1e-6), r, ops.silu_mul(gate_up)]
+
+    pool = run()
+    ops.row_team = torch_omp_parallel()
+    try:
+        team = run()
+    finally:
+        ops.row_team = None
+    assert all(torch.equal(a, b) for a, b in zip(pool, team, strict=True))
+
+
+def _teams_seen(llm: LLM) -> tuple[list[tuple[int, int | None]], list[list[int]]]:
+    ops = llm.engine.runner.platform.native
+    seen: list[tuple[int, int | None]] = []
+    norm = ops.rms_norm
+
+    def recorded(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((x.shape[0], ops.row_team))
+        return norm(x, *args)
+
+    ops.rms_norm = recorded
+    # 100 + 90 rows in one step: more than the native program takes, so torch runs it.
+    prompts = [{"prompt_token_ids": list(range(s, s + n))} for s, n in ((5, 100), (120, 90))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return seen, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_prefill_row_kernels_go_to_the_spinning_team(tiny_models, monkeypatch) -> None:
+    import tinyvllm.platforms.cpu as cpu
+
+    path = str(tiny_models["llama"])
+    monkeypatch.setattr(cpu, "omp_waits_spin", lambda: True)
+    spinning = LLM(path, dtype="bfloat16", max_model_len=128)
+    seen, tokens = _teams_seen(spinning)
+    team = torch_omp_parallel()
+    assert [t for rows, t in seen if rows > 1] and all(t == team for rows, t in seen if rows > 1)
+    assert spinning.engine.runner.platform.native.row_team is None  # reset after each step
+    monkeypatch.setattr(cpu, "omp_waits_spin", lambda: False)  # a chosen (passive) policy
+    passive = LLM(path, dtype="bfloat16", max_model_len=128)
+    seen_passive, tokens_passive = _teams_seen(passive)
+    assert seen_passive and all(t is None for _, t in seen_passive)
+    assert tokens == tokens_passive
