@@ -44,6 +44,33 @@ def test_row_kernels_on_the_team_match_the_pool() -> None:
     assert all(torch.equal(a, b) for a, b in zip(pool, team, strict=True))
 
 
+@pytest.mark.parametrize("team", [False, True], ids=["pool", "team"])
+def test_a_prefill_store_of_many_rows_matches_the_row_by_row_copy(team: bool) -> None:
+    """From MIN_PARALLEL_STORE_ROWS rows on, the K / V store runs over blocks of rows on all
+    threads: same cache bytes as the one-thread copy, padding slots (-1) skipped."""
+    from tinyvllm.native.ops import MIN_PARALLEL_STORE_ROWS
+
+    ops = NativeCpuOps.load()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(1)
+    t = MIN_PARALLEL_STORE_ROWS + 37
+    qkv = torch.randn(t, 3, 2, 8, generator=gen).to(torch.bfloat16)  # fused rows: strided K, V
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = torch.randperm(4 * t, generator=gen)[:t].to(torch.int64)
+    slots[::17] = -1
+    cache = torch.zeros(2, 4 * t, 2, 8, dtype=torch.bfloat16)
+    ops.row_team = torch_omp_parallel() if team else None
+    try:
+        ops.store_kv(key, value, cache.view(2, 4 * t, 2, 8), slots)
+    finally:
+        ops.row_team = None
+    want = torch.zeros_like(cache)
+    keep = slots >= 0
+    want[0, slots[keep]] = key[keep]
+    want[1, slots[keep]] = value[keep]
+    assert torch.equal(cache, want)
+
+
 def _teams_seen(llm: LLM) -> tuple[list[tuple[int, int | None]], list[list[int]]]:
     ops = llm.engine.runner.platform.native
     seen: list[tuple[int, int | None]] = []

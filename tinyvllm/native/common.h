@@ -170,6 +170,9 @@ void tv_rows_rope(void* q, int64_t q_stride, int64_t hq, void* k, int64_t k_stri
                   const void* omp_parallel);
 void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, int64_t T,
                  int64_t width, int elem, void* k_cache, void* v_cache, const int64_t* slots);
+void tv_rows_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                      int64_t T, int64_t width, int elem, void* k_cache, void* v_cache,
+                      const int64_t* slots, int nthreads, const void* omp_parallel);
 void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
                      const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
                      const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,

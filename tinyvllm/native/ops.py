@@ -31,6 +31,8 @@ MAX_FP32_LINEAR_ROWS = 16
 # row up (SiLU * up over 64 x 1536: 0.08 vs 0.59 ms on a 2-core Sapphire Rapids; scalar expf
 # made a 64-row decode step on the layers spend 19 ms of 170 in this op alone).
 MAX_ELEMENTWISE_ROWS = 64
+# Rows from which a K / V store is split over the threads (decode steps copy a few rows).
+MIN_PARALLEL_STORE_ROWS = 256
 
 
 def max_linear_rows(weight_dtype: torch.dtype) -> int:
@@ -193,11 +195,15 @@ class NativeCpuOps:
     ) -> None:
         """key/value [T, Hkv, D] (row-strided views allowed) -> kv_cache at slots."""
         t, hkv, d = key.shape
-        self.lib.tv_store_kv(
+        args = (
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), t, hkv * d,
             key.element_size(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
             slots.data_ptr(),
         )  # fmt: skip
+        if t >= MIN_PARALLEL_STORE_ROWS:  # a prefill step: on all threads
+            self.lib.tv_rows_store_kv(*args, *self._row_threads())
+        else:
+            self.lib.tv_store_kv(*args)
 
     def paged_decode(
         self,
