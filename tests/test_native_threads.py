@@ -170,11 +170,8 @@ def _omp_policy_after_import(env: dict[str, str], code: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def test_import_makes_torch_openmp_waits_passive_unless_the_user_chose() -> None:
-    """Spinning torch OpenMP workers starve the native pool under contention (batched
-    LLM.generate fell to 0.10x with one competing program): `import tinyvllm` before torch
-    asks for passive waits, but never overrides the user's choice or pretends after torch."""
-    assert _omp_policy_after_import({}, "import tinyvllm") == "PASSIVE"
-    assert _omp_policy_after_import({"OMP_WAIT_POLICY": "ACTIVE"}, "import tinyvllm") == "ACTIVE"
-    assert _omp_policy_after_import({"GOMP_SPINCOUNT": "1000"}, "import tinyvllm") == "None"
-    assert _omp_policy_after_import({}, "import torch, tinyvllm") == "None"
+def test_import_leaves_the_openmp_wait_policy_to_the_user() -> None:
+    """`import tinyvllm` sets no OpenMP wait policy (a passive one slowed torch code sharing
+    the process, e.g. HF decode by ~40%); the user's own choice stands."""
+    assert _omp_policy_after_import({}, "import tinyvllm") == "None"
+    assert _omp_policy_after_import({"OMP_WAIT_POLICY": "PASSIVE"}, "import tinyvllm") == "PASSIVE"

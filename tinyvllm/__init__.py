@@ -5,16 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from tinyvllm.utils.omp import prefer_passive_omp_waits
-
-# First, before anything imports torch: torch's OpenMP workers must not spin on the cores the
-# native kernels' thread pool needs (see utils/omp.py).
-prefer_passive_omp_waits()
-
-from tinyvllm.config import EngineArgs, PoolerConfig  # noqa: E402
-from tinyvllm.inputs import StreamingInput  # noqa: E402
-from tinyvllm.llm import LLM  # noqa: E402
-from tinyvllm.outputs import (  # noqa: E402
+from tinyvllm.config import EngineArgs, PoolerConfig
+from tinyvllm.inputs import StreamingInput
+from tinyvllm.llm import LLM
+from tinyvllm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -23,8 +17,8 @@ from tinyvllm.outputs import (  # noqa: E402
     PoolingRequestOutput,
     RequestOutput,
 )
-from tinyvllm.pooling_params import PoolingParams  # noqa: E402
-from tinyvllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from tinyvllm.pooling_params import PoolingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
