@@ -71,8 +71,8 @@ class CpuPlatform(Platform):
         self._quant_kernels = (
             None if native is None else QuantKernels(native.lib, native.num_threads)
         )
-        # torch's OpenMP team, where its workers spin between ops (torch was imported before
-        # tinyvllm, see utils/omp.py): the row kernels of a step torch runs go to that team,
+        # torch's OpenMP team, where its workers spin between ops (no wait policy chosen, see
+        # utils/omp.py): the row kernels of a step torch runs go to that team,
         # as the prefill attention does, instead of the pool's workers competing with the
         # spinning ones for the cores (8 x 512-token prefill: norms 196 -> ~100 ms).
         self._spinning_team = (
