@@ -11,7 +11,8 @@
 // The weights stay as they are ([N][K] rows, which is the A tile's layout: 16 output rows x
 // 32 columns), and the activations become the B tile: per 32 columns, 16 rows of pairs
 // [k pair][m][2], repacked once per call (a 16 x 16 transpose per tile). C tiles hold out^T
-// (16 output rows x 16 activation rows) and are transposed on the way out.
+// (16 output rows x 16 activation rows) and are transposed on the way out, after the bf16
+// rounding (half the shuffles of transposing the fp32 sums).
 //
 // Where the time goes: weights come from memory once per call, but the tiles of every other
 // pass come from L2 (the activations of 64 rows, 72-192 KiB, do not fit L1), and a tile load
@@ -94,17 +95,54 @@ TV_AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp, int
 }
 
 // C tile [16 output rows][16 activation rows] -> out[m0 + r][n0 : n0 + 16] (+ bias), bf16.
+// Rounded first, so the transpose moves 16-bit values: u[i] lane m holds output rows i and
+// i + 8 of activation row m, and an 8 x 16 transpose of those pairs gives each activation row
+// its 16 outputs in 256 bits (then put in order by one vpermw).
 TV_AMX void store_tile(const float* c, const float* bias16, uint16_t* out, int64_t N,
                        int64_t n0, int64_t m0, int64_t M) {
-  __m512 r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + i * kTile);
-  transpose16(r);
-  const __m512 b = bias16 ? _mm512_loadu_ps(bias16) : _mm512_setzero_ps();
-  for (int64_t j = 0; j < kTile && m0 + j < M; ++j) {
-    const __m512 v = bias16 ? _mm512_add_ps(r[j], b) : r[j];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + j) * N + n0),
-                        _mm512_cvtepi32_epi16(bf16_round_bits(v)));
+  __m512 u[8];
+  for (int i = 0; i < 8; ++i) {
+    __m512 lo = _mm512_load_ps(c + i * kTile), hi = _mm512_load_ps(c + (i + 8) * kTile);
+    if (bias16) {
+      lo = _mm512_add_ps(lo, _mm512_set1_ps(bias16[i]));
+      hi = _mm512_add_ps(hi, _mm512_set1_ps(bias16[i + 8]));
+    }
+    u[i] = _mm512_castsi512_ps(_mm512_or_si512(bf16_round_bits(lo),
+                                               _mm512_slli_epi32(bf16_round_bits(hi), 16)));
   }
+  __m512 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]);
+  }
+  // v[q] (v[4 + q]) 128-bit lane L: pairs 0-3 (4-7) of activation row 4L + q.
+  __m512 v[8];
+  for (int h = 0; h < 2; ++h) {
+    v[4 * h] = _mm512_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    v[4 * h + 1] = _mm512_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    v[4 * h + 2] = _mm512_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    v[4 * h + 3] = _mm512_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  // 16-bit order of an activation row's 8 pairs: n0 n8 n1 n9 ... -> n0 .. n15 (per half).
+  alignas(64) static const uint16_t kOrder[32] = {
+      0,  2,  4,  6,  8,  10, 12, 14, 1,  3,  5,  7,  9,  11, 13, 15,
+      16, 18, 20, 22, 24, 26, 28, 30, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i order = _mm512_load_si512(kOrder);
+  for (int q = 0; q < 4; ++q)
+    for (int half = 0; half < 2; ++half) {  // activation rows q, 4 + q; then 8 + q, 12 + q
+      // 128-bit lanes (0, 1) or (2, 3) of each, then interleaved: [v[q], v[4 + q]] per row.
+      const __m512 x = half ? _mm512_shuffle_f32x4(v[q], v[4 + q], 0xEE)
+                            : _mm512_shuffle_f32x4(v[q], v[4 + q], 0x44);
+      const __m512i y = _mm512_castps_si512(_mm512_shuffle_f32x4(x, x, 0xD8));
+      const __m512i z = _mm512_permutexvar_epi16(order, y);
+      const int64_t ma = m0 + 8 * half + q, mb = ma + 4;
+      if (ma < M)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ma * N + n0),
+                            _mm512_castsi512_si256(z));
+      if (mb < M)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + mb * N + n0),
+                            _mm512_extracti64x4_epi64(z, 1));
+    }
 }
 
 // Into L1 for step s + 1: the weight rows' next 64 bytes (after the last step, the next
