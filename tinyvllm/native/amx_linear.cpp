@@ -5,7 +5,7 @@
 // vdpbf16ps kernels (avx512_kernels.cpp) re-read every weight once per 8 rows and reach
 // ~0.1 TFLOP/s per core there (profile of the 64-request mix: a third of the time in them),
 // while one tdpbf16ps does 16 x 16 x 32 multiply-adds. Even 2-15 rows (one zero-padded tile)
-// stream the weights faster than the vdpbf16ps kernels (~20% at 8 rows, 2x at 12); one row
+// stream the weights faster than the vdpbf16ps kernels (~20% at 8 rows, ~1.8x at 12); one row
 // stays with them (its own GEMV is as fast and does no wasted work).
 //
 // The weights stay as they are ([N][K] rows, which is the A tile's layout: 16 output rows x
@@ -18,8 +18,10 @@
 // pass come from L2 (the activations of 64 rows, 72-192 KiB, do not fit L1), and a tile load
 // from L2 takes ~3x its tdpbf16ps. Two things keep that down: the passes over pairs of
 // activation blocks take turns every kChunkSteps steps, so the second pass finds the item's
-// weights in L1 (its C tiles wait in memory meanwhile), and the next step's tiles are
-// prefetched into L1 while this step multiplies (64 rows: -30% per call with both).
+// weights in L1 (its C tiles wait in memory meanwhile), and the next step's weight rows are
+// prefetched into L1 while this step multiplies (one thread, the 30 layers' four linears with
+// the repack below: 32 rows 30 -> 26 ms, 64 rows 40 -> 34 ms; prefetching the activation
+// tiles too, or the next item's weights into L2, measured no better).
 //
 // Arithmetic: every product of two bf16 is exact in fp32 and tdpbf16ps adds them into fp32
 // sums (round to nearest even, bf16 denormal inputs as zero), as vdpbf16ps does: the same
@@ -42,8 +44,8 @@ constexpr int64_t kTile = 16;  // rows of a tile; also activation rows per B til
 constexpr int64_t kStep = 32;  // bf16 columns per tile row (64 bytes)
 
 // Steps (32 columns each) one pass runs before the next pair of activation blocks takes over:
-// the item's weights for them (32 rows x 6 x 64 bytes) and the activations' (6 KiB per pair)
-// stay in L1 together.
+// the item's weights for them (32 rows x 6 x 64 bytes) and the activations' (12 KiB per pair)
+// stay in L1 together (3, 4 and 9 steps measured the same).
 constexpr int64_t kChunkSteps = 6;
 // Activation blocks whose C tiles take turns (two per pass, two weight blocks each: 16 C tiles
 // of 1 KiB parked on the stack).
