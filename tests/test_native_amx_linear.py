@@ -1,7 +1,8 @@
-"""bf16 linears of 16+ rows on AMX tiles (tinyvllm/native/amx_linear.cpp, taken by tv_linear):
+"""bf16 linears of 2+ rows on AMX tiles (tinyvllm/native/amx_linear.cpp, taken by tv_linear):
 within fp32 rounding of the exact product, bias and output rounding as the vdpbf16ps path,
-every shape the tiles cover (activation rows past a multiple of 16, a 16-row output tail), and
-each row's bits independent of the rows around it and of the thread count."""
+every shape the tiles cover (activation rows past a multiple of 16, a 16-row output tail, the
+passes that take turns over k from 48 rows on, groups past 128 rows), and each row's bits
+independent of the rows around it and of the thread count."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None or not cpu_flags() >= {"amx_bf16", "amx_tile", "avx512_bf16"},
     reason="native kernels or AMX-BF16 unavailable",
 )
-AMX_MIN_ROWS = 16  # kAmxMinRows in common.h
+AMX_MIN_ROWS = 2  # kAmxMinRows in common.h; a single row takes the vdpbf16ps kernel
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -24,7 +25,10 @@ def _bound(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> torch.Tensor
     return 1e-5 * (x.float().abs() @ w.float().abs().t()) + want.abs() * 2.0**-8 + 1e-6
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(16, 960, 576), (17, 208, 576), (64, 192, 1536)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(2, 192, 576), (9, 64, 1536), (16, 960, 576), (17, 208, 576), (64, 192, 1536), (130, 48, 224)],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_rows_match_fp32(m: int, n: int, k: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(m + n)
@@ -44,12 +48,30 @@ def test_amx_rows_match_fp32(m: int, n: int, k: int, with_bias: bool) -> None:
 def test_amx_rows_do_not_depend_on_batch_or_threads() -> None:
     gen = torch.Generator().manual_seed(4)
     w = (0.05 * torch.randn(224, 576, generator=gen)).bfloat16()
-    x = torch.randn(70, 576, generator=gen).bfloat16()
+    x = torch.randn(150, 576, generator=gen).bfloat16()
+    # 150 rows: two groups of activation blocks, the passes over pairs of blocks taking turns
+    # every few steps; 16 and 31 rows: one pass over all of k.
     full = NativeCpuOps(load_library(), 1).linear(x, w, None)
-    for rows in (AMX_MIN_ROWS, 31, 33, 48):
+    for rows in (AMX_MIN_ROWS, 7, 16, 31, 33, 48, 64, 129):
         for threads in (1, 2, 3):
             got = NativeCpuOps(load_library(), threads).linear(x[-rows:], w, None)
             assert torch.equal(got, full[-rows:]), (rows, threads)
+
+
+def test_small_batches_sum_in_the_tile_order() -> None:
+    # A product of 2**30 in the first column and its negative in the last: the small products
+    # between them vanish in a running sum over k (the tiles' order), but survive in the
+    # vdpbf16ps kernel's other lanes. Batches from AMX_MIN_ROWS rows on give the tile order's
+    # bits; a single row gives the vdpbf16ps order's (the check that the data tells them apart).
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 576, generator=gen).bfloat16()
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    w[:, 0], w[:, -1], x[:, 0], x[:, -1] = 2.0**15, -(2.0**15), 2.0**15, 2.0**15
+    ops = NativeCpuOps(load_library(), 2)
+    full = ops.linear(x, w, None)
+    for rows in (AMX_MIN_ROWS, 3, 8, 15):
+        assert torch.equal(ops.linear(x[:rows], w, None), full[:rows]), rows
+    assert not torch.equal(ops.linear(x[:1], w, None), full[:1])
 
 
 def test_zero_and_negative_zero_outputs_round_like_the_scalar_path() -> None:

@@ -38,7 +38,7 @@ void bf16_gemv_avx512(const uint16_t* w, const uint16_t* x, int M, int64_t K, in
 
 // bf16 out [M][N] = x [M][K] w^T (+ bias) on AMX tiles (amx_linear.cpp) when M >= kAmxMinRows,
 // K % 32 == 0, N % 16 == 0 and the CPU and OS allow AMX; false (nothing written) otherwise.
-constexpr int kAmxMinRows = 16;
+constexpr int kAmxMinRows = 2;
 bool linear_bf16_amx(const uint16_t* x, const uint16_t* w, const void* bias, int b_dt,
                      uint16_t* out, int M, int64_t N, int64_t K, int nthreads);
 
