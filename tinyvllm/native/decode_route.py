@@ -10,7 +10,7 @@ bucket keeps a running estimate of both paths' step time (`MeasuredChoice`, as t
 step threads do) and a step takes the faster; the slower one is tried again now and then,
 rarely while it keeps losing. On CPUs without bf16 dot products (AVX2 only) torch's bf16
 GEMM is emulated and there is no route: every step the program supports runs on it. With
-AMX the program's linears from 16 rows on run on AMX tiles too (amx_linear.cpp) and win at
+AMX the program's linears from 2 rows on run on AMX tiles too (amx_linear.cpp) and win at
 every row count it takes, so the route is fixed to the program there: its trials of the layers
 (oneDNN generating kernels for each new row count) cost 15-25% of a batch-16 run.
 """

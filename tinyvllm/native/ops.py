@@ -64,7 +64,7 @@ class NativeCpuOps:
         self.step_threads = StepThreadChoice(num_threads)
         # Whether the AVX-512 row kernels (any number of rows) run on this CPU.
         self.row_kernels = bool(lib.tv_rows_supported())
-        # Whether bf16 linears of 16+ rows run on AMX tiles (amx_linear.cpp).
+        # Whether bf16 linears of 2+ rows run on AMX tiles (amx_linear.cpp).
         self.amx_linears = bool(lib.tv_amx_supported())
         # GOMP_parallel of torch's OpenMP runtime while the row kernels (norms, SiLU, rope) of
         # a step torch runs go to its team, whose workers spin between torch's ops (set by the
