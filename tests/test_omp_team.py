@@ -5,6 +5,7 @@ keep the pool. Same kernels, same bits either way."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_row_kernels_on_the_team_match_the_pool() -> None:
-    ops = NativeCpuOps.load()
+    ops = NativeCpuOps.load(2)  # two threads: the pool runs (and counts) its regions
     if ops is None or not ops.row_kernels:
         pytest.skip("no AVX-512 row kernels on this CPU")
     gen = torch.Generator().manual_seed(0)
@@ -35,13 +36,24 @@ def test_row_kernels_on_the_team_match_the_pool() -> None:
         r = res.clone()
         return [ops.rms_norm(x, r, w, 1e-6), r, ops.silu_mul(gate_up)]
 
+    before = _pool_regions(ops)
     pool = run()
+    assert _pool_regions(ops) > before  # the pool's threads ran the rows
     ops.row_team = torch_omp_parallel()
     try:
+        before = _pool_regions(ops)
         team = run()
+        assert _pool_regions(ops) == before  # torch's team did, not the pool
     finally:
         ops.row_team = None
     assert all(torch.equal(a, b) for a, b in zip(pool, team, strict=True))
+
+
+def _pool_regions(ops: NativeCpuOps) -> int:
+    """Regions the native pool has run, with its workers or alone (tv_pool_stats)."""
+    stats = (ctypes.c_int64 * 5)()
+    ops.lib.tv_pool_stats(stats)
+    return stats[0] + stats[1]
 
 
 @pytest.mark.parametrize("team", [False, True], ids=["pool", "team"])

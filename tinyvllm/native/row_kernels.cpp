@@ -157,7 +157,8 @@ void rms_norm_rows(const T* x, T* res, const T* w, T* out, int64_t T_, int64_t H
 
 template <class T>
 void silu_mul_rows(const T* x, T* out, int64_t T_, int64_t D, int nthreads, OmpParallelFn omp) {
-  for_row_blocks(T_, nthreads, omp, [&](int64_t t) { silu_mul_row(x + t * 2 * D, out + t * D, D); });
+  for_row_blocks(T_, nthreads, omp,
+                 [&](int64_t t) { silu_mul_row(x + t * 2 * D, out + t * D, D); });
 }
 
 template <class T>
