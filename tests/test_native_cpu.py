@@ -198,3 +198,60 @@ def test_norm_silu_rope_take_the_row_kernels(
     ops.rope_(q, k, head_dim, head_dim, positions, rope.cos_cache, rope.sin_cache)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
     assert called == ["tv_rows_rms_norm", "tv_rows_silu_mul", "tv_rows_rope"]
+
+
+def _round_bf16(ops: NativeCpuOps, x: torch.Tensor, hw: int) -> torch.Tensor:
+    out = torch.empty(x.numel(), dtype=torch.int16)
+    ops.lib.tv_rows_round_bf16(x.data_ptr(), out.data_ptr(), x.numel(), hw)
+    return out
+
+
+def test_bf16_rounding_instruction_rounds_as_the_integer_path(ops: NativeCpuOps) -> None:
+    """The row kernels round bf16 outputs with vcvtneps2bf16 where the CPU has it, which reads
+    fp32 denormals as zero: vectors holding one must take the integer path, so the bits agree
+    everywhere, ties, denormals, infinities and NaN payloads included (and with torch's
+    rounding wherever torch keeps the payload, i.e. off NaN)."""
+    _row_kernels(ops)
+    gen = torch.Generator().manual_seed(11)
+    special = [
+        0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x007FFFFF, 0x807FFFFF,  # denormals
+        0x00008000, 0x00018000, 0x00400000, 0x3F808000, 0x3F818000, 0x3F807FFF,  # ties
+        0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,  # overflow to inf, infinities
+        0x7FC00000, 0x7F800001, 0xFFC12345, 0x7FBFFFFF,  # quiet and signalling NaNs
+    ]
+    bits = torch.cat([
+        torch.tensor(special, dtype=torch.int64),
+        torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64),
+        # Whole vectors of denormals next to vectors with a single one.
+        torch.randint(1, 0x800000, (16,), generator=gen, dtype=torch.int64),
+        torch.full((15,), 0x3F800000, dtype=torch.int64), torch.tensor([0x00000400]),
+    ])  # fmt: skip
+    bits = bits[: bits.numel() // 16 * 16]
+    x = bits.to(torch.int32).view(torch.float32).contiguous()
+    soft = _round_bf16(ops, x, 0)
+    ok = ~torch.isnan(x)
+    assert torch.equal(soft[ok], x[ok].to(torch.bfloat16).view(torch.int16))
+    if not ops.lib.tv_rows_bf16_hw():
+        pytest.skip("no AVX512-BF16 here: only the integer path runs")
+    assert torch.equal(_round_bf16(ops, x, 1), soft)
+
+
+def test_row_kernels_keep_denormal_outputs(ops: NativeCpuOps) -> None:
+    """Residual sums and normalised outputs that are fp32 denormals round to bf16 denormals as
+    eager's do (vcvtneps2bf16 alone would give zeros)."""
+    from tinyvllm.models.layers.norm import RMSNorm
+
+    _row_kernels(ops)
+    gen = torch.Generator().manual_seed(12)
+    t, h = 3, 64
+    norm = RMSNorm(h, eps=1e-5)
+    norm.weight.data = torch.full((h,), 1e-38).to(torch.bfloat16)  # out = w * normed: denormal
+    x = (torch.rand(t, h, generator=gen) * 4e-39).to(torch.bfloat16)
+    res = (torch.rand(t, h, generator=gen) * 4e-39).to(torch.bfloat16)
+    x[2] = torch.randn(h, generator=gen).to(torch.bfloat16)  # one ordinary row
+    ref_out, ref_res = norm(x, res.clone())
+    res_native = res.clone()
+    got = ops.rms_norm(x, res_native, norm.weight, 1e-5)
+    assert (ref_res[:2] != 0).any() and ref_res[:2].abs().max() < 1.2e-38
+    assert torch.equal(res_native, ref_res)
+    assert (got != 0).any() and _ulps(got, ref_out) <= 1

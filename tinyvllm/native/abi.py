@@ -157,6 +157,8 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         ),
         # row_kernels.cpp
         "tv_rows_supported": (c_int, ()),
+        "tv_rows_bf16_hw": (c_int, ()),
+        "tv_rows_round_bf16": (None, (_P, _P, _L, _I)),
         "tv_rows_rms_norm": (None, (_P, _P, _P, _P, _I, _L, _L, _F, _I, _P)),
         "tv_rows_silu_mul": (None, (_P, _P, _I, _L, _L, _I, _P)),
         "tv_rows_store_kv": (None, (_P, _L, _P, _L, _L, _L, _I, _P, _P, _P, _I, _P)),
