@@ -50,7 +50,8 @@ struct Shape {
   uint16_t* out;
   int64_t B, L, Hq, Hkv, q_stride, kv_stride, out_stride;
   float scale;
-  int64_t L_pad;  // L rounded up to kKeyAlign
+  bool exact_scale;  // scale is a power of two: products with it are exact
+  int64_t L_pad;     // L rounded up to kKeyAlign
   // Repacked per (prompt, KV head): kt [kDim / 2][L_pad] and vv [L_pad / 2][kDim] of uint32,
   // each entry two bf16 (K: dims 2p, 2p + 1 of one key; V: keys 2p, 2p + 1 of one dim).
   uint32_t* kt;
@@ -131,32 +132,43 @@ TV_AMX void attend_rows(const Shape& s, int64_t b, int64_t h, int64_t r0, int64_
     _tile_stored(1, scores + j + 16, ld * 4);
   }
 
-  // Softmax numerators per row; probabilities past the row's own position are 0.
+  // Softmax numerators per row; probabilities past the row's own position are 0 (stored as
+  // zeros up to keys_pad without computing them: the P V steps read whole 32-key steps).
+  // The row max is taken over the raw scores and scaled once: scaling by a positive number
+  // rounds monotonically, so it equals the max of the scaled scores bit for bit. Four
+  // accumulators, as one would wait on each max's latency.
   float inv_sum[kRows];
   const __m512 scale = _mm512_set1_ps(s.scale);
   for (int64_t i = 0; i < kRows; ++i) {
     float* srow = scores + i * ld;
     uint16_t* prow = probs + i * ld;
     const int64_t valid = i < rows ? r0 + i + 1 : 0;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __m512 mx[4];
+    for (int a = 0; a < 4; ++a) mx[a] = _mm512_set1_ps(-INFINITY);
     int64_t n = 0;
-    for (; n + 16 <= valid; n += 16)
-      mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_loadu_ps(srow + n), scale));
+    for (; n + 64 <= valid; n += 64)
+      for (int a = 0; a < 4; ++a) mx[a] = _mm512_max_ps(mx[a], _mm512_loadu_ps(srow + n + 16 * a));
+    for (; n + 16 <= valid; n += 16) mx[0] = _mm512_max_ps(mx[0], _mm512_loadu_ps(srow + n));
     const __mmask16 tail = static_cast<__mmask16>((1u << (valid - n)) - 1);
-    if (valid > n)
-      mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_mul_ps(_mm512_loadu_ps(srow + n), scale));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    if (valid > n) mx[1] = _mm512_mask_max_ps(mx[1], tail, mx[1], _mm512_loadu_ps(srow + n));
+    const __m512 mm = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+    const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mm)), scale);
     __m512 sum = _mm512_setzero_ps();
-    for (n = 0; n < keys_pad; n += 16) {
+    for (n = 0; n < valid; n += 16) {
       const int64_t left = valid - n;
-      const __mmask16 keep =
-          left >= 16 ? 0xFFFF : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
-      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(srow + n), scale), m);
+      const __mmask16 keep = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      // (s * scale) - m: with a power-of-two scale (head_dim 64) the product is exact (short
+      // of fp32's denormal range), so one fused rounding is the same as two.
+      const __m512 sv = _mm512_loadu_ps(srow + n);
+      const __m512 x = s.exact_scale ? _mm512_fmsub_ps(sv, scale, m)
+                                     : _mm512_sub_ps(_mm512_mul_ps(sv, scale), m);
       const __m512 e = _mm512_maskz_mov_ps(keep, exp16(x));
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + n),
                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
     }
+    for (; n < keys_pad; n += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + n), _mm256_setzero_si256());
     const float total = _mm512_reduce_add_ps(sum);
     inv_sum[i] = total > 0.0f ? 1.0f / total : 0.0f;
   }
@@ -232,7 +244,9 @@ extern "C" void tv_prefill_attn_amx(const void* q, const void* k, const void* v,
   const tv::OmpParallelFn omp = tv::omp_team(omp_parallel);
   tv::Shape s{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
               static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), B, L, Hq, Hkv,
-              q_stride, kv_stride, out_stride, scale, 0, nullptr, nullptr};
+              q_stride, kv_stride, out_stride, scale, false, 0, nullptr, nullptr};
+  int exponent = 0;
+  s.exact_scale = scale > 0.0f && frexpf(scale, &exponent) == 0.5f;
   s.L_pad = (L + tv::kKeyAlign - 1) / tv::kKeyAlign * tv::kKeyAlign;
   const int64_t packed = B * Hkv * (tv::kDim / 2) * s.L_pad;  // uint32 entries each of kt, vv
   uint32_t* buf = static_cast<uint32_t*>(tv::checked_aligned_alloc(2 * packed * 4));
