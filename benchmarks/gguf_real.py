@@ -6,7 +6,9 @@ transformers on the same GGUF, and llama.cpp when `llama_cpp` is importable; wit
 
 Workloads: single stream (1 chat prompt -> N new tokens) and batch 16 (16 chat prompts -> N
 each), greedy with EOS ignored so every engine generates exactly N tokens. Each engine runs in
-its own process, so its peak RSS is its own; `--rounds R` runs every engine R times, taking
+its own process, so its peak RSS is its own, read after the single stream and again at the end
+(tinyvllm's batch 16 holds 16 requests' KV cache at once, llama.cpp's runs them one after the
+other); `--rounds R` runs every engine R times, taking
 turns, and keeps each figure's best. Timing: tinyvllm's "1-stream" and "batch-16" are wall
 time of `generate` (prompt included); its "decode" is (N - 1) / (t(N tokens) - t(1 token)).
 llama.cpp (`n_batch=1`: larger evals segfault on the Q4_1 file on AVX-512 CPUs) times decode
@@ -104,6 +106,7 @@ def run_tinyvllm(
             t = time.perf_counter()
             llm.generate([{"prompt_token_ids": p} for p in prompts], one, use_tqdm=False)
             result["decode"] = (new_tokens - 1) / (wall - (time.perf_counter() - t))
+            result["peak_rss_1_mib"] = _peak_rss_mib()
     result["native_program"] = llm.engine.runner.decode_program is not None
     result["peak_rss_mib"] = _peak_rss_mib()
     return result
@@ -141,6 +144,8 @@ def run_hf(gguf: str, new_tokens: int, threads: int, dtype: str) -> dict:
         wall = time.perf_counter() - t
         result[key] = n * new_tokens / wall
         result[f"{key}_text"] = tok.decode(out[0, width : width + 24])
+        if n == 1:
+            result["peak_rss_1_mib"] = _peak_rss_mib()
     result["peak_rss_mib"] = _peak_rss_mib()
     return result
 
@@ -173,6 +178,8 @@ def run_llama_cpp(gguf: str, new_tokens: int, threads: int) -> dict:
                     break
             decode += time.perf_counter() - t
         result[key] = n * (new_tokens - 1) / decode
+        if n == 1:
+            result["peak_rss_1_mib"] = _peak_rss_mib()
     result["decode"] = result["single"]
     result["peak_rss_mib"] = _peak_rss_mib()
     return result
@@ -286,8 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"interleaved round(s), load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}\n"
     )
     print(
-        "| engine | 1-stream tok/s | decode tok/s | batch-16 tok/s | weights MiB | peak RSS MiB "
-        "| start-up s |"
+        "| engine | 1-stream tok/s | decode tok/s | batch-16 tok/s | weights MiB "
+        "| peak RSS MiB, 1 stream / with batch 16 | start-up s |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, r in runs.items():
@@ -297,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = "-" if r.get("weights_mib") is None else f"{r['weights_mib']:.0f}"
         print(
             f"| {name} | {r['single']:.1f} | {r.get('decode', 0.0):.1f} | {r['batch16']:.1f} | "
-            f"{weights} | {r['peak_rss_mib']:.0f} | {r['startup_s']:.1f} |"
+            f"{weights} | {r['peak_rss_1_mib']:.0f} / {r['peak_rss_mib']:.0f} | "
+            f"{r['startup_s']:.1f} |"
         )
     if args.out is not None:
         args.out.write_text(json.dumps({"machine": info, "runs": runs}, indent=2) + "\n")
