@@ -16,11 +16,10 @@ TV_AVX512 inline __m512 load16(const uint16_t* p) {
 
 TV_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
-// exp(x) to ~1 ulp: x = n ln2 + r (ln2 split in two so n ln2 is exact), a degree-7 polynomial
-// for e^r on |r| <= ln2 / 2, then scalef by 2^n, which overflows to inf and underflows to 0
-// where expf does.
-TV_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-110.0f));
+// exp(x) to ~1 ulp for x in [-110, 100], in the lanes of `keep` (zero elsewhere): x = n ln2 + r
+// (ln2 split in two so n ln2 is exact), a degree-7 polynomial for e^r on |r| <= ln2 / 2, then
+// scalef by 2^n, which overflows to inf and underflows to 0 where expf does.
+TV_AVX512 inline __m512 exp16_in_range(__mmask16 keep, __m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -33,7 +32,13 @@ TV_AVX512 inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
   p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+// exp16_in_range of every lane, after clamping x to its range.
+TV_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-110.0f));
+  return exp16_in_range(0xFFFF, x);
 }
 
 }  // namespace tv

@@ -162,7 +162,10 @@ TV_AMX void attend_rows(const Shape& s, int64_t b, int64_t h, int64_t r0, int64_
       const __m512 sv = _mm512_loadu_ps(srow + n);
       const __m512 x = s.exact_scale ? _mm512_fmsub_ps(sv, scale, m)
                                      : _mm512_sub_ps(_mm512_mul_ps(sv, scale), m);
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(x));
+      // x <= 0 in the kept lanes: only the lower clamp applies, and the mask is folded into
+      // exp's final scaling (the same bits as masking exp16's result, two instructions fewer
+      // in a loop of ~20 that is half of the kernel's time).
+      const __m512 e = exp16_in_range(keep, _mm512_max_ps(x, _mm512_set1_ps(-110.0f)));
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + n),
                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
