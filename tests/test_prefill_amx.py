@@ -1,5 +1,5 @@
-"""The AMX causal prefill kernel for equal fresh prompts (native prefill_attn_amx.cpp): same
-result as torch's flash SDPA up to summation order, and the step path that uses it."""
+"""The AMX causal prefill kernel for fresh prompts (native prefill_attn_amx.cpp): same result as
+torch's flash SDPA up to summation order, and the step paths that use it."""
 
 from __future__ import annotations
 
@@ -81,30 +81,74 @@ def test_kernel_takes_only_its_layout(kernel: AmxPrefillAttention) -> None:
     assert not kernel.fits(q.transpose(0, 1), k, v)
 
 
-@pytest.mark.parametrize(("query_lens", "amx_calls"), [((80, 80, 80), 1), ((80, 79), 0)])
-def test_native_backend_attends_equal_fresh_bf16_prompts_with_the_kernel(
+def _flash_and_exact(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's flash SDPA of one prompt's [L, H, 64] rows, and the same in fp64."""
+    args = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    flash = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=True)
+    exact = F.scaled_dot_product_attention(
+        *(t.double() for t in args), is_causal=True, scale=scale, enable_gqa=True
+    )
+    return flash[0].transpose(0, 1), exact[0].transpose(0, 1)
+
+
+def test_kernel_attends_prompts_of_any_lengths_in_one_call(kernel: AmxPrefillAttention) -> None:
+    """One call over prompts of different lengths (a block of 16 rows, the 32-key padding and
+    the 64-row items each left partly empty), with rows between them that are not its own:
+    each prompt as flash SDPA computes it alone, the other rows untouched."""
+    lens = [1, 17, 64, 100, 300, 33]
+    gaps = [0, 2, 1, 0, 3, 1]  # rows before each prompt that belong to no prompt
+    starts, row = [], 0
+    for gap, length in zip(gaps, lens, strict=True):
+        starts.append(row + gap)
+        row += gap + length
+    q, k, v = _fused_qkv(torch.Generator().manual_seed(5), row, 9, 3)
+    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
+    kernel.attend(q, k, v, out, torch.tensor(starts), torch.tensor(lens, dtype=torch.int64), 0.125)
+    mine = torch.zeros(row, dtype=torch.bool)
+    for start, length in zip(starts, lens, strict=True):
+        mine[start : start + length] = True
+        rows = slice(start, start + length)
+        flash, exact = _flash_and_exact(q[rows], k[rows], v[rows], 0.125)
+        assert max_error(out[rows], exact) <= max_error(flash, exact) * 1.5 + 1e-3
+    assert (out[~mine] == 7.0).all()
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "kernel_prompts"),
+    [
+        ((80, 80, 80), (0, 0, 0), [3]),  # equal prompts: the uniform path's one call
+        ((80, 79), (0, 0), [2]),
+        # A chunk continuing a prompt and a decode token stay with torch's path.
+        ((80, 40, 1, 90), (0, 50, 30, 0), [2]),
+        ((40, 1), (50, 30), []),
+    ],
+)
+def test_native_backend_attends_fresh_bf16_prompts_with_the_kernel(
     monkeypatch: pytest.MonkeyPatch,
     kernel: AmxPrefillAttention,
     ops: NativeCpuOps,
     query_lens: tuple[int, ...],
-    amx_calls: int,
+    context_lens: tuple[int, ...],
+    kernel_prompts: list[int],
 ) -> None:
     import tinyvllm.attention.torch_attn as torch_attn
     from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
 
     monkeypatch.setattr(torch_attn, "has_native_bf16_matmul", lambda: True)
-    calls = [0]
-    run = AmxPrefillAttention.__call__
+    calls: list[int] = []
+    attend = AmxPrefillAttention.attend
 
-    def counting(self: AmxPrefillAttention, *args: Any) -> torch.Tensor:
-        calls[0] += 1
-        return run(self, *args)
+    def counting(self: AmxPrefillAttention, *args: Any) -> None:
+        calls.append(args[4].shape[0])  # the number of prompts
+        attend(self, *args)
 
-    monkeypatch.setattr(AmxPrefillAttention, "__call__", counting)
+    monkeypatch.setattr(AmxPrefillAttention, "attend", counting)
     case = make_case(
         torch.Generator().manual_seed(9),
         query_lens=query_lens,
-        context_lens=(0,) * len(query_lens),
+        context_lens=context_lens,
         head_dim=64,
         dtype=torch.bfloat16,
     )
@@ -112,7 +156,7 @@ def test_native_backend_attends_equal_fresh_bf16_prompts_with_the_kernel(
     cache = case.kv_cache.clone()
     backend.plan(case.metadata)
     out = backend.forward(case.layer, case.query, case.key, case.value, cache, case.metadata)
-    assert calls[0] == amx_calls
+    assert calls == kernel_prompts
     assert max_error(out, reference_attention(case, cache)) < 2e-2
 
 

@@ -1,5 +1,5 @@
-"""Causal prefill attention of equally long fresh prompts on AMX tiles (native
-prefill_attn_amx.cpp), for the torch backend's one-call path over such steps.
+"""Causal prefill attention of fresh prompts on AMX tiles (native prefill_attn_amx.cpp), for
+the torch backend's prefill: a step's prompts of any lengths without cached context in one call.
 
 Why: torch's CPU flash SDPA ran a batch of 8 x 512-token prompts of a SmolLM2-135M-shaped model
 at ~0.3 TFLOP/s in bf16, a quarter of the step, while the step's GEMMs run at ~2.8 TFLOP/s on
@@ -61,12 +61,30 @@ class AmxPrefillAttention:
         returns [T, Hq, 64] bf16. Call only where `fits` holds."""
         t, hq, _ = q.shape
         out = torch.empty((t, hq, HEAD_DIM), dtype=q.dtype)
+        n = t // length
+        starts = torch.arange(0, n * length, length, dtype=torch.int64)
+        self.attend(q, k, v, out, starts, torch.full((n,), length, dtype=torch.int64), scale)
+        return out
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Causal attention of prompts of any lengths, prompt i being rows [starts[i],
+        starts[i] + lens[i]) of q / k / v (int64 tensors, lens >= 1), into the same rows of
+        `out` ([T, Hq, 64] bf16, heads contiguous); other rows of `out` are left as they are.
+        Call only where `fits` holds."""
         # On torch's team, as many threads as torch's own ops of this step use (the platform
         # runs long steps on one thread while another program holds a core).
         threads = self.num_threads if self.omp_parallel is None else torch.get_num_threads()
         self.lib.tv_prefill_attn_amx(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-            t // length, length, hq, k.shape[1],
-            q.stride(0), k.stride(0), out.stride(0), scale, threads, self.omp_parallel,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), starts.shape[0],
+            starts.data_ptr(), lens.data_ptr(), q.shape[1], k.shape[1], q.stride(0),
+            k.stride(0), out.stride(0), scale, threads, self.omp_parallel,
         )  # fmt: skip
-        return out

@@ -63,6 +63,12 @@ class _TorchPlan:
     # context and no bidirectional span (e.g. a batch of equal prompts, or one long prompt):
     # causal layers then attend them as one batched SDPA call.
     uniform_len: int | None = None
+    # The prompts without cached context or bidirectional span (any lengths), and their first
+    # rows and lengths as int64 tensors, for the AMX kernel (TorchAttentionBackend
+    # ._amx_fresh_prompts).
+    fresh_prompts: list[_PrefillSpan] = field(default_factory=list)
+    fresh_starts: torch.Tensor | None = None
+    fresh_lens: torch.Tensor | None = None
 
 
 # Decode queries are attended in groups of similar context length: each group pads only to its
@@ -125,7 +131,15 @@ class TorchAttentionBackend(AttentionBackend):
             members.append(i)
         if members:
             groups.append(self._decode_group(metadata, members))
-        metadata.plan = _TorchPlan(groups, prefills, _uniform_len(prefills, decode_rows))
+        fresh = [span for span in prefills if span.context_len == 0 and not span.bidirectional]
+        metadata.plan = _TorchPlan(
+            groups,
+            prefills,
+            _uniform_len(prefills, decode_rows),
+            fresh,
+            torch.tensor([span.start for span in fresh], dtype=torch.int64),
+            torch.tensor([span.end - span.start for span in fresh], dtype=torch.int64),
+        )
 
     @staticmethod
     def _decode_group(metadata: AttentionMetadata, members: list[int]) -> _DecodeGroup:
@@ -186,13 +200,40 @@ class TorchAttentionBackend(AttentionBackend):
                 if amx is not None and amx.fits(q, key, value):
                     return amx(q, key, value, uniform, layer.scale)
                 return _uniform_prefill(layer, q, key, value, uniform).to(query.dtype)
-            for span in plan.prefills:
+            spans = self._amx_fresh_prompts(plan, layer, q, key, value, out)
+            for span in spans:
                 out[span.start : span.end] = self._prefill(layer, q, key, value, kv_cache, span)
         if plan.decode_groups:
             q = q if plan.prefills and q.dtype == compute_dtype else query.to(compute_dtype)
             for group in plan.decode_groups:
                 out[group.token_idx] = self._decode(layer, q, kv_cache, group).to(out.dtype)
         return out
+
+    def _amx_fresh_prompts(
+        self,
+        plan: _TorchPlan,
+        layer: Attention,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+    ) -> list[_PrefillSpan]:
+        """Attend the step's fresh prompts (no cached context, plain causal) in one AMX kernel
+        call where it runs; returns the spans left for `_prefill`.
+
+        Why: steps of prompts of different lengths (a server's usual batch) otherwise run one
+        SDPA call per prompt: ~1.5x the kernel's time on 512-token prompts, one parallel region
+        each."""
+        fresh = plan.fresh_prompts
+        if not fresh or q.dtype != torch.bfloat16 or out.stride(1) != out.shape[2]:
+            return plan.prefills
+        amx = self._amx_prefill_kernel()
+        longest = max(span.end - span.start for span in fresh)
+        if amx is None or not amx.fits(q, key, value) or not _plain_causal(layer, longest):
+            return plan.prefills
+        amx.attend(q, key, value, out, plan.fresh_starts, plan.fresh_lens, layer.scale)
+        attended = {id(span) for span in fresh}
+        return [span for span in plan.prefills if id(span) not in attended]
 
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor

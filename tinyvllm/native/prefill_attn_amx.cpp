@@ -1,5 +1,5 @@
 // Causal prefill attention for fresh prompts in bf16 on AMX tiles (Sapphire Rapids and later):
-// B prompts of L tokens each, back to back, with no cached context, head_dim 64.
+// prompts of any lengths with no cached context, each a run of rows of the step, head_dim 64.
 //
 // Why: a 4,096-token step of 8 x 512-token prompts on a SmolLM2-135M-shaped model spent ~0.25 s
 // of ~0.93 s in torch's flash SDPA (0.3 TFLOP/s), while the step's GEMMs run at ~2.8 TFLOP/s
@@ -15,11 +15,11 @@
 // ulp) and probabilities below 2^-126 rounding to 0 (vcvtneps2bf16 flushes fp32 denormals;
 // such terms cannot move a sum that holds the row max's 1).
 //
-// Layout: q rows [B * L][q_stride] (head h at column h * 64), k / v rows [B * L][kv_stride]
-// (KV head g at g * 64), out rows [B * L][out_stride]; query head h reads KV head
-// h / (Hq / Hkv). Two passes on the thread pool: K and V of each (prompt, KV head) are
-// repacked into the tiles' pair-interleaved layout, then every (prompt, query head, block of
-// 64 queries) is one item, the latest blocks (most keys) first.
+// Layout: q rows [T][q_stride] (head h at column h * 64), k / v rows [T][kv_stride] (KV head g
+// at g * 64), out rows [T][out_stride]; a prompt's tokens are consecutive rows; query head h
+// reads KV head h / (Hq / Hkv). Two passes on the thread pool: K and V of each (prompt, KV
+// head) are repacked into the tiles' pair-interleaved layout, then every (prompt, query head,
+// block of 64 queries) is one item, the latest blocks (most keys) of all prompts first.
 
 #include <immintrin.h>
 #include <math.h>
@@ -48,48 +48,60 @@ struct Shape {
   const uint16_t* k;
   const uint16_t* v;
   uint16_t* out;
-  int64_t B, L, Hq, Hkv, q_stride, kv_stride, out_stride;
+  const int64_t* starts;  // first row of each prompt in q / k / v / out
+  const int64_t* lens;    // tokens of each prompt
+  int64_t Hq, Hkv, q_stride, kv_stride, out_stride;
   float scale;
   bool exact_scale;  // scale is a power of two: products with it are exact
-  int64_t L_pad;     // L rounded up to kKeyAlign
   // Repacked per (prompt, KV head): kt [kDim / 2][L_pad] and vv [L_pad / 2][kDim] of uint32,
-  // each entry two bf16 (K: dims 2p, 2p + 1 of one key; V: keys 2p, 2p + 1 of one dim).
+  // each entry two bf16 (K: dims 2p, 2p + 1 of one key; V: keys 2p, 2p + 1 of one dim); L_pad
+  // is the prompt's length rounded up to kKeyAlign, and a prompt's KV heads follow each
+  // other from pack_off[b] (uint32 entries) on.
+  const int64_t* pack_off;
   uint32_t* kt;
   uint32_t* vv;
+};
+
+inline int64_t padded(int64_t L) { return (L + kKeyAlign - 1) / kKeyAlign * kKeyAlign; }
+
+// One work item: query rows [blk * kBlockRows, ...) of query head h of prompt b.
+struct Item {
+  int32_t b, h, blk;
 };
 
 // Pass 1: kt / vv of one (prompt, KV head); keys past L are zero. K: a 32-bit transpose by
 // gathers (16 keys of one dim pair each); V: two key rows interleaved by 16-bit permutes.
 TV_AMX void repack(const Shape& s, int64_t item) {
   const int64_t b = item / s.Hkv, g = item % s.Hkv;
-  uint32_t* kt = s.kt + item * (kDim / 2) * s.L_pad;
-  uint32_t* vv = s.vv + item * (s.L_pad / 2) * kDim;
-  const uint16_t* k = s.k + b * s.L * s.kv_stride + g * kDim;
-  const uint16_t* v = s.v + b * s.L * s.kv_stride + g * kDim;
+  const int64_t L = s.lens[b], L_pad = padded(L);
+  uint32_t* kt = s.kt + s.pack_off[b] + g * (kDim / 2) * L_pad;
+  uint32_t* vv = s.vv + s.pack_off[b] + g * (kDim / 2) * L_pad;
+  const uint16_t* k = s.k + s.starts[b] * s.kv_stride + g * kDim;
+  const uint16_t* v = s.v + s.starts[b] * s.kv_stride + g * kDim;
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   // Gather offsets in 32-bit units: key row i of the 16 at i * kv_stride / 2.
   const __m512i rows =
       _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(s.kv_stride / 2)));
-  for (int64_t n = 0; n < s.L_pad; n += 16) {
-    const int64_t left = s.L - n;
+  for (int64_t n = 0; n < L_pad; n += 16) {
+    const int64_t left = L - n;
     const __mmask16 in =
         left >= 16 ? 0xFFFF : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
     const int* base = reinterpret_cast<const int*>(k + (left > 0 ? n : 0) * s.kv_stride);
     for (int64_t p = 0; p < kDim / 2; ++p) {
       const __m512i col =
           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, base + p, 4);
-      _mm512_storeu_si512(kt + p * s.L_pad + n, col);
+      _mm512_storeu_si512(kt + p * L_pad + n, col);
     }
   }
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t p = 0; p < s.L_pad / 2; ++p) {
+  for (int64_t p = 0; p < L_pad / 2; ++p) {
     const int64_t n0 = 2 * p, n1 = 2 * p + 1;
     for (int64_t half = 0; half < 2; ++half) {  // dims 0-31, 32-63
-      const __m512i r0 = n0 < s.L ? _mm512_loadu_si512(v + n0 * s.kv_stride + 32 * half)
+      const __m512i r0 = n0 < L ? _mm512_loadu_si512(v + n0 * s.kv_stride + 32 * half)
                                   : _mm512_setzero_si512();
-      const __m512i r1 = n1 < s.L ? _mm512_loadu_si512(v + n1 * s.kv_stride + 32 * half)
+      const __m512i r1 = n1 < L ? _mm512_loadu_si512(v + n1 * s.kv_stride + 32 * half)
                                   : _mm512_setzero_si512();
       _mm512_storeu_si512(vv + p * kDim + 32 * half, _mm512_permutex2var_epi16(r0, lo, r1));
       _mm512_storeu_si512(vv + p * kDim + 32 * half + 16, _mm512_permutex2var_epi16(r0, hi, r1));
@@ -101,18 +113,17 @@ TV_AMX void repack(const Shape& s, int64_t item) {
 TV_AMX void attend_rows(const Shape& s, int64_t b, int64_t h, int64_t r0, int64_t rows,
                         float* scores, uint16_t* probs) {
   const int64_t g = h / (s.Hq / s.Hkv);
-  const int64_t item = b * s.Hkv + g;
-  const uint32_t* kt = s.kt + item * (kDim / 2) * s.L_pad;
-  const uint32_t* vv = s.vv + item * (s.L_pad / 2) * kDim;
-  const int64_t keys = r0 + rows;                                   // causal: up to the last row
-  const int64_t keys_pad = (keys + kKeyAlign - 1) / kKeyAlign * kKeyAlign;
-  const int64_t ld = s.L_pad;  // row stride of scores / probs
+  const int64_t ld = padded(s.lens[b]);  // row stride of kt, scores and probs
+  const uint32_t* kt = s.kt + s.pack_off[b] + g * (kDim / 2) * ld;
+  const uint32_t* vv = s.vv + s.pack_off[b] + g * (kDim / 2) * ld;
+  const int64_t keys = r0 + rows;  // causal: up to the last row
+  const int64_t keys_pad = padded(keys);
 
   // Q rows, zero past the prompt, as two A tiles (dims 0-31, 32-63).
   alignas(64) uint16_t qbuf[kRows * kDim];
   memset(qbuf, 0, sizeof(qbuf));
   for (int64_t i = 0; i < rows; ++i)
-    memcpy(qbuf + i * kDim, s.q + (b * s.L + r0 + i) * s.q_stride + h * kDim, kDim * 2);
+    memcpy(qbuf + i * kDim, s.q + (s.starts[b] + r0 + i) * s.q_stride + h * kDim, kDim * 2);
   // Two key tiles per step on separate registers (tiles are not renamed: reusing one
   // register would wait for the previous product): C in 0 / 1, K^T halves in 2 / 3 and 6 / 7.
   _tile_loadd(4, qbuf, kDim * 2);
@@ -199,7 +210,7 @@ TV_AMX void attend_rows(const Shape& s, int64_t b, int64_t h, int64_t r0, int64_
   _tile_stored(2, obuf + 32, kDim * 4);
   _tile_stored(3, obuf + 48, kDim * 4);
   for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* dst = s.out + (b * s.L + r0 + i) * s.out_stride + h * kDim;
+    uint16_t* dst = s.out + (s.starts[b] + r0 + i) * s.out_stride + h * kDim;
     const __m512 inv = _mm512_set1_ps(inv_sum[i]);
     for (int64_t d = 0; d < kDim; d += 16) {
       // The division as torch's kernel does it: multiply by the reciprocal of the sum.
@@ -210,53 +221,72 @@ TV_AMX void attend_rows(const Shape& s, int64_t b, int64_t h, int64_t r0, int64_
   }
 }
 
-TV_AMX void attend_block(const Shape& s, int64_t item) {
-  // Items are claimed in increasing order: the latest blocks (most keys) go first, so that
-  // the short ones even out the threads at the end of the region.
-  const int64_t blocks = (s.L + kBlockRows - 1) / kBlockRows;
-  const int64_t heads = s.B * s.Hq;
-  const int64_t blk = blocks - 1 - item / heads;
-  const int64_t b = item % heads / s.Hq, h = item % s.Hq;
+TV_AMX void attend_block(const Shape& s, const Item& it, int64_t max_pad) {
   // Scores and probabilities of one 16-row block, kept per thread across calls.
   thread_local std::vector<float> scores;
   thread_local std::vector<uint16_t> probs;
-  const size_t need = static_cast<size_t>(kRows * s.L_pad);
+  const size_t need = static_cast<size_t>(kRows * max_pad);
   if (scores.size() < need) {
     scores.resize(need);
     probs.resize(need);
   }
   load_tile_config();
-  const int64_t end = std::min(s.L, (blk + 1) * kBlockRows);
-  for (int64_t r0 = blk * kBlockRows; r0 < end; r0 += kRows)
-    attend_rows(s, b, h, r0, std::min(kRows, end - r0), scores.data(), probs.data());
+  const int64_t L = s.lens[it.b];
+  const int64_t end = std::min(L, (it.blk + 1) * kBlockRows);
+  for (int64_t r0 = it.blk * kBlockRows; r0 < end; r0 += kRows)
+    attend_rows(s, it.b, it.h, r0, std::min(kRows, end - r0), scores.data(), probs.data());
   _tile_release();
+}
+
+// The items, the latest blocks (most keys) of every prompt first, so that the short ones even
+// out the threads at the end of the region.
+std::vector<Item> items_by_keys(const int64_t* lens, int64_t n, int64_t Hq) {
+  int64_t max_blocks = 0;
+  for (int64_t b = 0; b < n; ++b)
+    max_blocks = std::max(max_blocks, (lens[b] + kBlockRows - 1) / kBlockRows);
+  std::vector<Item> items;
+  for (int64_t blk = max_blocks - 1; blk >= 0; --blk)
+    for (int64_t b = 0; b < n; ++b)
+      if (blk * kBlockRows < lens[b])
+        for (int64_t h = 0; h < Hq; ++h)
+          items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
+                           static_cast<int32_t>(blk)});
+  return items;
 }
 
 }  // namespace
 }  // namespace tv
 
 // See the top of the file; call only where tv_amx_supported() (amx_linear.cpp) returned 1.
+// n prompts, prompt b's rows [starts[b], starts[b] + lens[b]) of q / k / v / out (lens[b] >= 1).
 // `omp_parallel`: the address of GOMP_parallel in the OpenMP runtime torch runs its ops on, or
 // null for the library's thread pool. Why torch's team: this call sits between torch GEMMs,
 // after which torch's OpenMP workers spin (by default for milliseconds) on the cores the
 // pool's workers would need; its own team picks the work up instead.
 extern "C" void tv_prefill_attn_amx(const void* q, const void* k, const void* v, void* out,
-                                    int64_t B, int64_t L, int64_t Hq, int64_t Hkv,
-                                    int64_t q_stride, int64_t kv_stride, int64_t out_stride,
-                                    float scale, int nthreads, const void* omp_parallel) {
+                                    int64_t n, const int64_t* starts, const int64_t* lens,
+                                    int64_t Hq, int64_t Hkv, int64_t q_stride, int64_t kv_stride,
+                                    int64_t out_stride, float scale, int nthreads,
+                                    const void* omp_parallel) {
   const tv::OmpParallelFn omp = tv::omp_team(omp_parallel);
-  tv::Shape s{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
-              static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), B, L, Hq, Hkv,
-              q_stride, kv_stride, out_stride, scale, false, 0, nullptr, nullptr};
+  std::vector<int64_t> pack_off(static_cast<size_t>(n) + 1, 0);
+  int64_t max_pad = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t L_pad = tv::padded(lens[b]);
+    pack_off[b + 1] = pack_off[b] + Hkv * (tv::kDim / 2) * L_pad;
+    max_pad = std::max(max_pad, L_pad);
+  }
   int exponent = 0;
-  s.exact_scale = scale > 0.0f && frexpf(scale, &exponent) == 0.5f;
-  s.L_pad = (L + tv::kKeyAlign - 1) / tv::kKeyAlign * tv::kKeyAlign;
-  const int64_t packed = B * Hkv * (tv::kDim / 2) * s.L_pad;  // uint32 entries each of kt, vv
+  const bool exact_scale = scale > 0.0f && frexpf(scale, &exponent) == 0.5f;
+  const int64_t packed = pack_off[n];  // uint32 entries each of kt, vv
   uint32_t* buf = static_cast<uint32_t*>(tv::checked_aligned_alloc(2 * packed * 4));
-  s.kt = buf;
-  s.vv = buf + packed;
-  tv::run_items(omp, B * Hkv, nthreads, [&](int64_t i) { tv::repack(s, i); });
-  const int64_t blocks = (L + tv::kBlockRows - 1) / tv::kBlockRows;
-  tv::run_items(omp, B * Hq * blocks, nthreads, [&](int64_t i) { tv::attend_block(s, i); });
+  const tv::Shape s{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
+                    static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), starts, lens,
+                    Hq, Hkv, q_stride, kv_stride, out_stride, scale, exact_scale,
+                    pack_off.data(), buf, buf + packed};
+  tv::run_items(omp, n * Hkv, nthreads, [&](int64_t i) { tv::repack(s, i); });
+  const std::vector<tv::Item> items = tv::items_by_keys(lens, n, Hq);
+  tv::run_items(omp, static_cast<int64_t>(items.size()), nthreads,
+                [&](int64_t i) { tv::attend_block(s, items[i], max_pad); });
   free(buf);
 }
