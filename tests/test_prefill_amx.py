@@ -3,6 +3,7 @@ torch's flash SDPA up to summation order, and the step paths that use it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from attention_cases import make_case, max_error, reference_attention
 
-from tinyvllm.attention.prefill_amx import AmxPrefillAttention
+from tinyvllm.attention.prefill_amx import AmxPrefillAttention, AmxPromptBatch
 from tinyvllm.native.ops import NativeCpuOps
 
 
@@ -105,7 +106,8 @@ def test_kernel_attends_prompts_of_any_lengths_in_one_call(kernel: AmxPrefillAtt
         row += gap + length
     q, k, v = _fused_qkv(torch.Generator().manual_seed(5), row, 9, 3)
     out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
-    kernel.attend(q, k, v, out, torch.tensor(starts), torch.tensor(lens, dtype=torch.int64), 0.125)
+    batch = AmxPromptBatch([], torch.tensor(starts), torch.tensor(lens), max(lens))
+    kernel.attend(q, k, v, out, batch, 0.125)
     mine = torch.zeros(row, dtype=torch.bool)
     for start, length in zip(starts, lens, strict=True):
         mine[start : start + length] = True
@@ -115,14 +117,64 @@ def test_kernel_attends_prompts_of_any_lengths_in_one_call(kernel: AmxPrefillAtt
     assert (out[~mine] == 7.0).all()
 
 
+@dataclass
+class _Span:
+    start: int
+    end: int
+    context_len: int
+    block_ids: torch.Tensor
+
+
+def test_kernel_continues_prompts_after_their_cached_tokens(kernel: AmxPrefillAttention) -> None:
+    """Chunks after context_len cached tokens (in blocks scattered over the paged cache, the
+    chunk's own K / V stored there too, as the backend does first) next to a fresh prompt:
+    each as SDPA over its context and own keys with the causal mask computes it."""
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, block_size, num_blocks = 9, 3, 16, 64
+    cache = (torch.randn(2, num_blocks, block_size, hkv, 64, generator=gen) * 2).bfloat16()
+    lens, contexts = [70, 33, 1, 40], [0, 150, 31, 16]
+    q, k, v = _fused_qkv(gen, sum(lens), hq, hkv)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    spans, row = [], 0
+    for length, ctx in zip(lens, contexts, strict=True):
+        nb = -(-(ctx + length) // block_size)
+        blocks, order = torch.tensor(order[:nb]), order[nb:]
+        for i in range(length):  # the chunk's K / V into the cache
+            pos = ctx + i
+            cache[0, blocks[pos // block_size], pos % block_size] = k[row + i]
+            cache[1, blocks[pos // block_size], pos % block_size] = v[row + i]
+        spans.append(_Span(row, row + length, ctx, blocks))
+        row += length
+    batch = AmxPromptBatch.build(spans)
+    assert batch is not None and kernel.fits_cache(cache, k)
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    kernel.attend(q, k, v, out, batch, 0.125, cache)
+    for span in spans:
+        keys = span.context_len + span.end - span.start
+        ck = cache[0][span.block_ids].flatten(0, 1)[:keys]
+        cv = cache[1][span.block_ids].flatten(0, 1)[:keys]
+        q_pos = torch.arange(span.context_len, keys)
+        mask = q_pos[:, None] >= torch.arange(keys)[None, :]
+        args = [t.transpose(0, 1).unsqueeze(0) for t in (q[span.start : span.end], ck, cv)]
+        sdpa = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=0.125, enable_gqa=True)[
+            0
+        ].transpose(0, 1)
+        exact = F.scaled_dot_product_attention(
+            *(t.double() for t in args), attn_mask=mask, scale=0.125, enable_gqa=True
+        )[0].transpose(0, 1)
+        got = out[span.start : span.end]
+        assert max_error(got, exact) <= max_error(sdpa, exact) * 1.5 + 1e-3
+
+
 @pytest.mark.parametrize(
     ("query_lens", "context_lens", "kernel_prompts"),
     [
         ((80, 80, 80), (0, 0, 0), [3]),  # equal prompts: the uniform path's one call
         ((80, 79), (0, 0), [2]),
-        # A chunk continuing a prompt and a decode token stay with torch's path.
-        ((80, 40, 1, 90), (0, 50, 30, 0), [2]),
-        ((40, 1), (50, 30), []),
+        # A chunk continuing a prompt joins them; a decode token stays with torch's path.
+        ((80, 40, 1, 90), (0, 50, 30, 0), [3]),
+        ((100, 60), (37, 150), [2]),
+        ((40, 1), (50, 30), []),  # 41 tokens: a step the native kernels run in fp32
     ],
 )
 def test_native_backend_attends_fresh_bf16_prompts_with_the_kernel(
@@ -141,7 +193,7 @@ def test_native_backend_attends_fresh_bf16_prompts_with_the_kernel(
     attend = AmxPrefillAttention.attend
 
     def counting(self: AmxPrefillAttention, *args: Any) -> None:
-        calls.append(args[4].shape[0])  # the number of prompts
+        calls.append(args[4].starts.shape[0])  # the number of prompts
         attend(self, *args)
 
     monkeypatch.setattr(AmxPrefillAttention, "attend", counting)

@@ -183,7 +183,8 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_amx_supported": (c_int, ()),
         # prefill_attn_amx.cpp
         "tv_prefill_attn_amx": (
-            None, (_P, _P, _P, _P, _L, _P, _P, _L, _L, _L, _L, _L, _F, _I, _P)
+            None,
+            (_P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _P, _L, _L, _L, _L, _L, _L, _F, _I, _P),
         ),
     }
 )

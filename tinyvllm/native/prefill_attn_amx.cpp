@@ -49,14 +49,23 @@ struct Shape {
   const uint16_t* v;
   uint16_t* out;
   const int64_t* starts;  // first row of each prompt in q / k / v / out
-  const int64_t* lens;    // tokens of each prompt
+  const int64_t* lens;    // tokens of each prompt in this step
+  // Tokens of each prompt in the paged cache before this step (null: none has any), and
+  // where they are: block_table[b * bt_stride + i] is the i-th block of prompt b in
+  // k_cache / v_cache ([blocks][block_size][Hkv][64]; block_size a multiple of 16).
+  const int64_t* ctx;
+  const int32_t* block_table;
+  int64_t bt_stride;
+  const uint16_t* k_cache;
+  const uint16_t* v_cache;
+  int64_t block_size;
   int64_t Hq, Hkv, q_stride, kv_stride, out_stride;
   float scale;
   bool exact_scale;  // scale is a power of two: products with it are exact
   // Repacked per (prompt, KV head): kt [kDim / 2][L_pad] and vv [L_pad / 2][kDim] of uint32,
   // each entry two bf16 (K: dims 2p, 2p + 1 of one key; V: keys 2p, 2p + 1 of one dim); L_pad
-  // is the prompt's length rounded up to kKeyAlign, and a prompt's KV heads follow each
-  // other from pack_off[b] (uint32 entries) on.
+  // is the prompt's keys (context and step) rounded up to kKeyAlign, and a prompt's KV heads
+  // follow each other from pack_off[b] (uint32 entries) on.
   const int64_t* pack_off;
   uint32_t* kt;
   uint32_t* vv;
@@ -64,59 +73,83 @@ struct Shape {
 
 inline int64_t padded(int64_t L) { return (L + kKeyAlign - 1) / kKeyAlign * kKeyAlign; }
 
+inline int64_t context(const Shape& s, int64_t b) { return s.ctx ? s.ctx[b] : 0; }
+
+// K / V rows n .. n + 15 (n a multiple of 16) of KV head g of prompt b: the step's own rows
+// for a prompt without context, else the paged cache, which holds the step's keys too by now
+// (the backend stores them first); 16 keys never straddle a block there.
+struct KeyRows {
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t stride;  // elements from one key's row to the next
+};
+
+inline KeyRows key_rows(const Shape& s, int64_t b, int64_t g, int64_t n) {
+  if (context(s, b) == 0) {
+    const int64_t off = (s.starts[b] + n) * s.kv_stride + g * kDim;
+    return {s.k + off, s.v + off, s.kv_stride};
+  }
+  const int64_t block = s.block_table[b * s.bt_stride + n / s.block_size];
+  const int64_t off = ((block * s.block_size + n % s.block_size) * s.Hkv + g) * kDim;
+  return {s.k_cache + off, s.v_cache + off, s.Hkv * kDim};
+}
+
 // One work item: query rows [blk * kBlockRows, ...) of query head h of prompt b.
 struct Item {
   int32_t b, h, blk;
 };
 
-// Pass 1: kt / vv of one (prompt, KV head); keys past L are zero. K: a 32-bit transpose by
-// gathers (16 keys of one dim pair each); V: two key rows interleaved by 16-bit permutes.
+// Pass 1: kt / vv of one (prompt, KV head); keys past the last are zero. K: a 32-bit
+// transpose by gathers (16 keys of one dim pair each); V: two key rows interleaved by 16-bit
+// permutes.
 TV_AMX void repack(const Shape& s, int64_t item) {
   const int64_t b = item / s.Hkv, g = item % s.Hkv;
-  const int64_t L = s.lens[b], L_pad = padded(L);
+  const int64_t L = context(s, b) + s.lens[b], L_pad = padded(L);
   uint32_t* kt = s.kt + s.pack_off[b] + g * (kDim / 2) * L_pad;
   uint32_t* vv = s.vv + s.pack_off[b] + g * (kDim / 2) * L_pad;
-  const uint16_t* k = s.k + s.starts[b] * s.kv_stride + g * kDim;
-  const uint16_t* v = s.v + s.starts[b] * s.kv_stride + g * kDim;
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  // Gather offsets in 32-bit units: key row i of the 16 at i * kv_stride / 2.
-  const __m512i rows =
-      _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(s.kv_stride / 2)));
+  // Gather offsets in 32-bit units: key row i of the 16 at i * stride / 2.
+  const __m512i rows = _mm512_mullo_epi32(
+      lanes, _mm512_set1_epi32(static_cast<int>(key_rows(s, b, g, 0).stride / 2)));
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t n = 0; n < L_pad; n += 16) {
     const int64_t left = L - n;
     const __mmask16 in =
         left >= 16 ? 0xFFFF : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
-    const int* base = reinterpret_cast<const int*>(k + (left > 0 ? n : 0) * s.kv_stride);
+    const KeyRows src = key_rows(s, b, g, left > 0 ? n : 0);
+    const int* base = reinterpret_cast<const int*>(src.k);
     for (int64_t p = 0; p < kDim / 2; ++p) {
       const __m512i col =
           _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, base + p, 4);
       _mm512_storeu_si512(kt + p * L_pad + n, col);
     }
-  }
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t p = 0; p < L_pad / 2; ++p) {
-    const int64_t n0 = 2 * p, n1 = 2 * p + 1;
-    for (int64_t half = 0; half < 2; ++half) {  // dims 0-31, 32-63
-      const __m512i r0 = n0 < L ? _mm512_loadu_si512(v + n0 * s.kv_stride + 32 * half)
-                                  : _mm512_setzero_si512();
-      const __m512i r1 = n1 < L ? _mm512_loadu_si512(v + n1 * s.kv_stride + 32 * half)
-                                  : _mm512_setzero_si512();
-      _mm512_storeu_si512(vv + p * kDim + 32 * half, _mm512_permutex2var_epi16(r0, lo, r1));
-      _mm512_storeu_si512(vv + p * kDim + 32 * half + 16, _mm512_permutex2var_epi16(r0, hi, r1));
+    for (int64_t j = 0; j < 16; j += 2) {
+      uint32_t* dst = vv + (n + j) / 2 * kDim;
+      for (int64_t half = 0; half < 2; ++half) {  // dims 0-31, 32-63
+        const __m512i r0 = j < left ? _mm512_loadu_si512(src.v + j * src.stride + 32 * half)
+                                    : _mm512_setzero_si512();
+        const __m512i r1 = j + 1 < left
+                               ? _mm512_loadu_si512(src.v + (j + 1) * src.stride + 32 * half)
+                               : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 32 * half, _mm512_permutex2var_epi16(r0, lo, r1));
+        _mm512_storeu_si512(dst + 32 * half + 16, _mm512_permutex2var_epi16(r0, hi, r1));
+      }
     }
   }
 }
 
-// Rows [r0, r0 + rows) of query head h of prompt b (rows <= kRows), keys [0, r0 + rows).
+// The step's rows [r0, r0 + rows) of query head h of prompt b (rows <= kRows), at positions
+// c + r0 ... after the prompt's c cached tokens: keys [0, c + r0 + rows).
 TV_AMX void attend_rows(const Shape& s, int64_t b, int64_t h, int64_t r0, int64_t rows,
                         float* scores, uint16_t* probs) {
   const int64_t g = h / (s.Hq / s.Hkv);
-  const int64_t ld = padded(s.lens[b]);  // row stride of kt, scores and probs
+  const int64_t c = context(s, b);
+  const int64_t ld = padded(c + s.lens[b]);  // row stride of kt, scores and probs
   const uint32_t* kt = s.kt + s.pack_off[b] + g * (kDim / 2) * ld;
   const uint32_t* vv = s.vv + s.pack_off[b] + g * (kDim / 2) * ld;
-  const int64_t keys = r0 + rows;  // causal: up to the last row
+  const int64_t keys = c + r0 + rows;  // causal: up to the last row
   const int64_t keys_pad = padded(keys);
 
   // Q rows, zero past the prompt, as two A tiles (dims 0-31, 32-63).
@@ -153,7 +186,7 @@ TV_AMX void attend_rows(const Shape& s, int64_t b, int64_t h, int64_t r0, int64_
   for (int64_t i = 0; i < kRows; ++i) {
     float* srow = scores + i * ld;
     uint16_t* prow = probs + i * ld;
-    const int64_t valid = i < rows ? r0 + i + 1 : 0;
+    const int64_t valid = i < rows ? c + r0 + i + 1 : 0;
     __m512 mx[4];
     for (int a = 0; a < 4; ++a) mx[a] = _mm512_set1_ps(-INFINITY);
     int64_t n = 0;
@@ -231,26 +264,26 @@ TV_AMX void attend_block(const Shape& s, const Item& it, int64_t max_pad) {
     probs.resize(need);
   }
   load_tile_config();
-  const int64_t L = s.lens[it.b];
-  const int64_t end = std::min(L, (it.blk + 1) * kBlockRows);
+  const int64_t end = std::min(s.lens[it.b], (it.blk + 1) * kBlockRows);
   for (int64_t r0 = it.blk * kBlockRows; r0 < end; r0 += kRows)
     attend_rows(s, it.b, it.h, r0, std::min(kRows, end - r0), scores.data(), probs.data());
   _tile_release();
 }
 
-// The items, the latest blocks (most keys) of every prompt first, so that the short ones even
-// out the threads at the end of the region.
-std::vector<Item> items_by_keys(const int64_t* lens, int64_t n, int64_t Hq) {
-  int64_t max_blocks = 0;
-  for (int64_t b = 0; b < n; ++b)
-    max_blocks = std::max(max_blocks, (lens[b] + kBlockRows - 1) / kBlockRows);
+// The items, those with the most keys first, so that the short ones even out the threads at
+// the end of the region.
+std::vector<Item> items_by_keys(const Shape& s, int64_t n) {
   std::vector<Item> items;
-  for (int64_t blk = max_blocks - 1; blk >= 0; --blk)
-    for (int64_t b = 0; b < n; ++b)
-      if (blk * kBlockRows < lens[b])
-        for (int64_t h = 0; h < Hq; ++h)
-          items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
-                           static_cast<int32_t>(blk)});
+  for (int64_t b = 0; b < n; ++b)
+    for (int64_t blk = 0; blk * kBlockRows < s.lens[b]; ++blk)
+      for (int64_t h = 0; h < s.Hq; ++h)
+        items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
+                         static_cast<int32_t>(blk)});
+  auto keys = [&](const Item& it) {
+    return context(s, it.b) + std::min(s.lens[it.b], (it.blk + 1) * kBlockRows);
+  };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Item& x, const Item& y) { return keys(x) > keys(y); });
   return items;
 }
 
@@ -258,21 +291,25 @@ std::vector<Item> items_by_keys(const int64_t* lens, int64_t n, int64_t Hq) {
 }  // namespace tv
 
 // See the top of the file; call only where tv_amx_supported() (amx_linear.cpp) returned 1.
-// n prompts, prompt b's rows [starts[b], starts[b] + lens[b]) of q / k / v / out (lens[b] >= 1).
+// n prompts, prompt b's step rows [starts[b], starts[b] + lens[b]) of q / k / v / out
+// (lens[b] >= 1) after ctx[b] tokens in the paged cache (see Shape; ctx null: no context, and
+// the cache arguments are not read).
 // `omp_parallel`: the address of GOMP_parallel in the OpenMP runtime torch runs its ops on, or
 // null for the library's thread pool. Why torch's team: this call sits between torch GEMMs,
 // after which torch's OpenMP workers spin (by default for milliseconds) on the cores the
 // pool's workers would need; its own team picks the work up instead.
 extern "C" void tv_prefill_attn_amx(const void* q, const void* k, const void* v, void* out,
                                     int64_t n, const int64_t* starts, const int64_t* lens,
-                                    int64_t Hq, int64_t Hkv, int64_t q_stride, int64_t kv_stride,
-                                    int64_t out_stride, float scale, int nthreads,
-                                    const void* omp_parallel) {
+                                    const int64_t* ctx, const int32_t* block_table,
+                                    int64_t bt_stride, const void* k_cache, const void* v_cache,
+                                    int64_t block_size, int64_t Hq, int64_t Hkv,
+                                    int64_t q_stride, int64_t kv_stride, int64_t out_stride,
+                                    float scale, int nthreads, const void* omp_parallel) {
   const tv::OmpParallelFn omp = tv::omp_team(omp_parallel);
   std::vector<int64_t> pack_off(static_cast<size_t>(n) + 1, 0);
   int64_t max_pad = 0;
   for (int64_t b = 0; b < n; ++b) {
-    const int64_t L_pad = tv::padded(lens[b]);
+    const int64_t L_pad = tv::padded((ctx ? ctx[b] : 0) + lens[b]);
     pack_off[b + 1] = pack_off[b] + Hkv * (tv::kDim / 2) * L_pad;
     max_pad = std::max(max_pad, L_pad);
   }
@@ -280,12 +317,30 @@ extern "C" void tv_prefill_attn_amx(const void* q, const void* k, const void* v,
   const bool exact_scale = scale > 0.0f && frexpf(scale, &exponent) == 0.5f;
   const int64_t packed = pack_off[n];  // uint32 entries each of kt, vv
   uint32_t* buf = static_cast<uint32_t*>(tv::checked_aligned_alloc(2 * packed * 4));
-  const tv::Shape s{static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
-                    static_cast<const uint16_t*>(v), static_cast<uint16_t*>(out), starts, lens,
-                    Hq, Hkv, q_stride, kv_stride, out_stride, scale, exact_scale,
-                    pack_off.data(), buf, buf + packed};
+  const tv::Shape s{static_cast<const uint16_t*>(q),
+                    static_cast<const uint16_t*>(k),
+                    static_cast<const uint16_t*>(v),
+                    static_cast<uint16_t*>(out),
+                    starts,
+                    lens,
+                    ctx,
+                    block_table,
+                    bt_stride,
+                    static_cast<const uint16_t*>(k_cache),
+                    static_cast<const uint16_t*>(v_cache),
+                    block_size,
+                    Hq,
+                    Hkv,
+                    q_stride,
+                    kv_stride,
+                    out_stride,
+                    scale,
+                    exact_scale,
+                    pack_off.data(),
+                    buf,
+                    buf + packed};
   tv::run_items(omp, n * Hkv, nthreads, [&](int64_t i) { tv::repack(s, i); });
-  const std::vector<tv::Item> items = tv::items_by_keys(lens, n, Hq);
+  const std::vector<tv::Item> items = tv::items_by_keys(s, n);
   tv::run_items(omp, static_cast<int64_t>(items.size()), nthreads,
                 [&](int64_t i) { tv::attend_block(s, items[i], max_pad); });
   free(buf);
