@@ -71,7 +71,10 @@ def same_window(llm: Any, samples: dict[str, list[Any]], reps: int) -> list[str]
         return ["(no native decode program)"]
     calls = {
         "program": (runner.decode_program.run.__wrapped__, samples["program"][-1][0]),
-        "lm_head": (runner.model.compute_logits.__wrapped__, samples["lm_head"][-1][0]),
+        "lm_head": (
+            (runner.decode_logits or runner.model.compute_logits).__wrapped__,
+            samples["lm_head"][-1][0],
+        ),
     }
     lines = []
     for name, (_, args) in calls.items():
@@ -131,10 +134,14 @@ def step_breakdown(
     runner._forward = _timed(acc, "  model forward", runner._forward)
     if runner.decode_program is not None:
         runner.decode_program.run = _recorded(samples, "program", runner.decode_program.run)
-    runner.model.compute_logits = _recorded(
-        samples, "lm_head", _timed(acc, "  lm_head (logits)", runner.model.compute_logits)
-    )
+    # A decode step's logits come from the runner's DecodeLogits where it has one (GGUF heads).
+    head = "decode_logits" if runner.decode_logits is not None else "compute_logits"
+    owner = runner if runner.decode_logits is not None else runner.model
+    timed_head = _timed(acc, "  lm_head (logits)", getattr(owner, head))
+    setattr(owner, head, _recorded(samples, "lm_head", timed_head))
     runner.sampler.forward = _timed(acc, "  sampler", runner.sampler.forward)
+    # Plain greedy steps take their argmax here instead of in the sampler.
+    runner_module.greedy_tokens = _timed(acc, "  sampler", runner_module.greedy_tokens)
     engine.step = _timed(acc, "engine step (total)", engine.step)
     prompts = [{"prompt_token_ids": list(range(3 + i, 35 + i))} for i in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)

@@ -88,18 +88,24 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a, b)
 
 
+def _tricky_logits(gen: torch.Generator, trial: int) -> torch.Tensor:
+    """[7, 301] logits with ties, -inf entries, an all -inf row and (some trials) NaN, +inf."""
+    x = torch.randint(-3, 4, (7, 301), generator=gen).float()
+    r = torch.rand(7, 301, generator=gen)
+    x[r < 0.3] = -float("inf")
+    if trial % 3 == 0:
+        x[r > 0.995] = float("nan")
+    if trial % 4 == 0:
+        x[r > 0.99] = float("inf")
+    x[trial % 7] = -float("inf")
+    return x
+
+
 def test_numpy_argmax_is_torch_argmax() -> None:
     """First maximal index; NaN counts as the maximum; -inf rows and ties."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):
-        x = torch.randint(-3, 4, (7, 301), generator=gen).float()
-        r = torch.rand(7, 301, generator=gen)
-        x[r < 0.3] = -float("inf")
-        if trial % 3 == 0:
-            x[r > 0.995] = float("nan")
-        if trial % 4 == 0:
-            x[r > 0.99] = float("inf")
-        x[trial % 7] = -float("inf")
+        x = _tricky_logits(gen, trial)
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
         assert torch.equal(argmax_rows(x[:, ::2]), x[:, ::2].argmax(dim=-1))
     assert argmax_rows(torch.zeros(0, 5)).shape == (0,)
@@ -148,6 +154,32 @@ def test_sampling_metadata_is_reused_only_while_rows_and_params_stay() -> None:
         rows = torch.tensor([0, states.req_id_to_row[req]])
         md = sampling.build_sampling_metadata(states, rows, gen)
         assert sampling.build_sampling_metadata(states, rows, gen) is not md
+
+
+def test_greedy_tokens_are_the_samplers() -> None:
+    """The plain greedy step skips the sampler: same tokens, -1 where the sampler's token
+    has a non-finite maximum (ties, NaN, +inf and all -inf rows); anything else samples."""
+    gen = torch.Generator().manual_seed(1)
+    greedy = SamplingMetadata(temperature=torch.zeros(7), all_greedy=True, all_random=False)
+    for trial in range(100):
+        logits = _tricky_logits(gen, trial)
+        out = sampler_module.Sampler()(logits, greedy)
+        expected = out.sampled_token_ids.tolist()
+        for i, ok in enumerate(sampling.finite_rows(logits, expected, greedy)):
+            expected[i] = expected[i] if ok else -1
+        assert sampling.greedy_tokens(logits, greedy) == expected
+    others = [
+        SamplingMetadata(temperature=torch.zeros(7), all_greedy=True, all_random=False, **kw)
+        for kw in (
+            {"max_num_logprobs": 0},
+            {"presence_penalty": torch.ones(7)},
+            {"min_tokens_mask": [(0, [3])]},
+        )
+    ]
+    others.append(SamplingMetadata(temperature=torch.ones(7), all_greedy=False, all_random=True))
+    for md in others:
+        assert sampling.greedy_tokens(logits, md) is None
+    assert sampling.greedy_tokens(logits.bfloat16(), greedy) is None
 
 
 def _params(vocab: int) -> list[SamplingParams]:
@@ -210,6 +242,7 @@ def test_engine_outputs_same_without_the_fast_paths(
             "finite_rows",
             lambda logits, tokens, md: torch.isfinite(logits.amax(dim=-1)).tolist(),
         )
+        m.setattr(model_runner, "greedy_tokens", lambda logits, md: None)
         general = _run_mid_stream(LLM(str(tiny_models["llama"]), **kwargs))
     assert fast == general
     assert len(fast) == 6 and all(len(tokens) > 0 for tokens, _, _ in fast)
@@ -235,3 +268,55 @@ def test_runner_bookkeeping_writes_the_rows(tiny_models) -> None:
             assert int(states.num_computed_tokens[row]) == request.num_computed_tokens
             checked += 1
     assert checked >= 30
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tiny_models, tmp_path_factory: pytest.TempPathFactory) -> str:
+    import gguf
+    from gguf_writer import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("q8") / "tiny.gguf"
+    write_tiny_gguf(tiny_models["llama"], path, lambda n, w: gguf.GGMLQuantizationType.Q8_0)
+    return str(path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8_activations"])
+def test_decode_logits_are_compute_logits(q8_gguf: str, dtype: str, int8: bool) -> None:
+    """The lm_head GEMV into persistent buffers gives `compute_logits` bit for bit, at every
+    row count it takes; others (and non-contiguous rows) go back to `compute_logits`."""
+    from tinyvllm.models.llama import LlamaForCausalLM
+    from tinyvllm.runner.decode_logits import DecodeLogits
+
+    llm = LLM(q8_gguf, dtype=dtype, max_model_len=128, int8_activations=int8)
+    runner = llm.engine.runner
+    head, model = runner.decode_logits, runner.model
+    assert head is not None and head.code == model.lm_head.qweight.packed.gemv_code
+    hidden_size = model.lm_head.input_size
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 5, 64, 2):
+            hidden = torch.randn(rows, hidden_size, generator=gen).to(
+                model.lm_head.qweight.packed.model_dtype
+            )
+            got = head(hidden)
+            assert got is not None and got.dtype == torch.float32
+            assert torch.equal(got, model.compute_logits(hidden))
+        assert head(torch.randn(65, hidden_size).to(hidden.dtype)) is None
+        assert head(torch.randn(hidden_size, 2).to(hidden.dtype).t()) is None
+    # A model whose compute_logits does more than the head (e.g. a soft cap) keeps it.
+
+    class Capped(LlamaForCausalLM):
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(super().compute_logits(hidden))
+
+    assert DecodeLogits.build(Capped.__new__(Capped)) is None
+
+
+def test_gguf_engine_outputs_same_without_decode_logits(q8_gguf: str) -> None:
+    kwargs = {"dtype": "bfloat16", "max_model_len": 256, "max_num_seqs": 4}
+    llm = LLM(q8_gguf, **kwargs)
+    assert llm.engine.runner.decode_logits is not None
+    fast = _run_mid_stream(llm)
+    llm.engine.runner.decode_logits = None
+    assert _run_mid_stream(llm) == fast

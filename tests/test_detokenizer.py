@@ -307,3 +307,71 @@ def test_decode_token(tokenizer: Any) -> None:
     assert "".join(decode_token(tokenizer, t) for t in ascii_ids) == "the quick fox"
     pieces = [decode_token(tokenizer, t) for t in tokenizer.encode("🙂")]
     assert len(pieces) > 1 and all(p == FFFD for p in pieces)
+
+
+class _CountingTokenizer(_SpyTokenizer):
+    """A `_SpyTokenizer` that also counts its decode calls."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.calls += 1
+        return super().decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("stop_terminated", [False, True])
+def test_final_only_without_stop_strings_decodes_once_at_the_end(
+    tokenizer: Any, stop_terminated: bool
+) -> None:
+    """A final-only request's text is not needed before it finishes: no decode per step (each
+    one costs cache misses after a model step), the same text in the end."""
+    ids = [*tokenizer.encode(TEXT), tokenizer.eos_token_id]
+    prompt = tokenizer.encode("prompt 日本語")
+    final = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    spy = _CountingTokenizer(tokenizer)
+    deferred = IncrementalDetokenizer(spy, prompt, final)
+    eager = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    seeded = spy.calls
+    for t in ids[:-1]:
+        assert deferred.update([t]) is None
+        eager.update([t])
+    assert spy.calls == seeded  # nothing decoded per step
+    assert deferred.update([ids[-1]], finished=True, stop_terminated=stop_terminated) is None
+    eager.update([ids[-1]], finished=True, stop_terminated=stop_terminated)
+    assert spy.calls > seeded
+    assert deferred.finished and eager.finished
+    assert deferred.get_next_output_text(True, False) == eager.get_next_output_text(True, False)
+    assert deferred.get_next_output_text(True, False) == tokenizer.decode(
+        ids[:-1] if stop_terminated else ids, skip_special_tokens=True
+    )
+
+
+def test_deferred_text_is_caught_up_when_asked_for_early(tokenizer: Any) -> None:
+    """An abort asks a final-only request for its text before its last update."""
+    ids = tokenizer.encode(TEXT)
+    final = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    deferred = IncrementalDetokenizer(tokenizer, [], final)
+    eager = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    for t in ids[:20]:
+        deferred.update([t])
+        eager.update([t])
+    assert deferred.output_text == eager.output_text != ""
+    for t in ids[20:]:
+        deferred.update([t])
+        eager.update([t])
+    assert deferred.output_text == eager.output_text
+
+
+def test_stop_strings_and_streams_still_decode_every_step(tokenizer: Any) -> None:
+    ids = tokenizer.encode(TEXT)
+    for params in (
+        SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, stop=["zzz"]),
+        SamplingParams(output_kind=RequestOutputKind.DELTA),
+    ):
+        spy = _CountingTokenizer(tokenizer)
+        det = IncrementalDetokenizer(spy, [], params)
+        for t in ids:
+            det.update([t])
+        assert spy.calls >= len(ids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt tokens that seed the window: enough context for the first output token to decode as
 # it would mid-text (sentencepiece drops the leading space of a window's first token).
@@ -85,6 +85,11 @@ class IncrementalDetokenizer:
         self._read = 0
         self._prefix_text: str | None = ""
         self._skip_ids: frozenset[int] = frozenset()
+        # Updates not applied yet (see `update`): (token ids, finished, stop_terminated).
+        self._pending: list[tuple[list[int], bool, bool]] = []
+        self._defer = (
+            self._active and not self._stop and params.output_kind == RequestOutputKind.FINAL_ONLY
+        )
         if not self._active:
             return
         if self._skip_special:
@@ -95,6 +100,7 @@ class IncrementalDetokenizer:
 
     @property
     def finished(self) -> bool:
+        self._catch_up()
         return self._finished
 
     @property
@@ -111,7 +117,29 @@ class IncrementalDetokenizer:
         an incomplete character are flushed as U+FFFD, matching a full decode.
         `stop_terminated`: the last token is EOS or one of `stop_token_ids`; its text is left
         out unless `include_stop_str_in_output`. Implies `finished`.
+
+        A final-only request without stop strings needs no text before its last update (no
+        text can end it, none is handed out): its updates wait and then run back to back,
+        while their code and the tokenizer's tables are in the caches, instead of once per
+        decode step after the model has evicted them (~40 us of a ~7 ms SmolLM2 step at batch
+        1). The text is the same either way; a tokenizer that fails to decode then fails at
+        the last update rather than at the token it cannot decode.
         """
+        if self._defer:
+            if not (finished or stop_terminated):
+                self._pending.append((list(new_token_ids), finished, stop_terminated))
+                return None
+            self._catch_up()
+        return self._apply(new_token_ids, finished, stop_terminated)
+
+    def _catch_up(self) -> None:
+        pending, self._pending = self._pending, []
+        for ids, finished, stop_terminated in pending:
+            self._apply(ids, finished, stop_terminated)
+
+    def _apply(
+        self, new_token_ids: Sequence[int], finished: bool, stop_terminated: bool
+    ) -> str | None:
         if self._finished:
             return None
         finished = finished or stop_terminated
@@ -152,6 +180,8 @@ class IncrementalDetokenizer:
         did not return. Unless the request is finished, the trailing chars that could still
         begin a stop string are held back, so a partial stop string never reaches a stream.
         """
+        if self._pending:
+            self._catch_up()
         end = len(self._text) if finished or self._finished else len(self._text) - self._held
         if not delta:
             return self._text[:end]

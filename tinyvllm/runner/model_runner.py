@@ -24,6 +24,7 @@ from tinyvllm.runner.cuda_graphs import (
     CudaGraphRunner,
     capture_model_graphs,
 )
+from tinyvllm.runner.decode_logits import DecodeLogits
 from tinyvllm.runner.draft_model import DraftModelProposer, load_draft_model
 from tinyvllm.runner.input_batch import InputBatch, prepare_inputs
 from tinyvllm.runner.kv_cache import (
@@ -36,7 +37,12 @@ from tinyvllm.runner.kv_cache import (
 from tinyvllm.runner.loading import load_target_model
 from tinyvllm.runner.memory_profile import profile_peak_bytes
 from tinyvllm.runner.model_states import ModelInputs, ModelState, create_model_state
-from tinyvllm.runner.sampling import build_sampling_metadata, finite_rows, logprobs_to_lists
+from tinyvllm.runner.sampling import (
+    build_sampling_metadata,
+    finite_rows,
+    greedy_tokens,
+    logprobs_to_lists,
+)
 from tinyvllm.runner.speculator import Speculator
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import compute_token_logprobs
@@ -110,6 +116,8 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.speculator: Speculator | None = None
         self.sampler = Sampler()
+        # Sampled rows' logits into persistent buffers (GGUF Llama-family heads on CPU).
+        self.decode_logits = DecodeLogits.build(self.model) if device.type == "cpu" else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(mc.seed)
 
@@ -281,24 +289,30 @@ class ModelRunner:
         # A step whose every token samples (decode) needs no gather of the hidden rows: its
         # logits indices are 0..T-1 (see prepare_inputs).
         every = len(sample_idx) == hidden.shape[0]
-        logits = self.model.compute_logits(hidden if every else hidden[batch.logits_indices])
+        sampled_hidden = hidden if every else hidden[batch.logits_indices]
+        logits = None if self.decode_logits is None else self.decode_logits(sampled_hidden)
+        if logits is None:
+            logits = self.model.compute_logits(sampled_hidden)
         if len(sample_idx) == batch.num_reqs:
             sample_rows, row_list = batch.rows, batch.row_list
         else:
             sample_rows = batch.rows[batch.sample_idx]
             row_list = [batch.row_list[i] for i in sample_idx]
         metadata = build_sampling_metadata(states, sample_rows, self.generator)
-        out = self.sampler(logits, metadata)
-        tokens = out.sampled_token_ids.tolist()
-        for i, ok in enumerate(finite_rows(logits, tokens, metadata)):
-            if not ok:
-                tokens[i] = -1
+        tokens = greedy_tokens(logits, metadata)
+        out = None
+        if tokens is None:
+            out = self.sampler(logits, metadata)
+            tokens = out.sampled_token_ids.tolist()
+            for i, ok in enumerate(finite_rows(logits, tokens, metadata)):
+                if not ok:
+                    tokens[i] = -1
         self._append_tokens(row_list, tokens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         for i, tok in zip(sample_idx, tokens, strict=True):
             sampled[i] = [tok]
         logprobs: list | None = None
-        if out.logprobs is not None:
+        if out is not None and out.logprobs is not None:
             logprobs = [None] * len(batch.req_ids)
             per_row = logprobs_to_lists(out.logprobs, [states.num_logprobs[r] for r in row_list])
             for i, lp in zip(sample_idx, per_row, strict=True):
