@@ -1,8 +1,9 @@
 """The AMX paged decode attention (tinyvllm/native/attn_amx.cpp): where the CPU has AMX, bf16
-caches with head_dim 64 take it, it matches a float64 reference within the bf16 tolerance of the
-other kernels (GQA groups of 1 to 16, contexts off the 16-position chunks, windows that start
-inside a block, soft-caps, 32-position blocks, several query tokens of one request), differs
-from the AVX-512 kernel only by summation order, and other shapes fall back to that kernel."""
+caches with head_dim 64 and long enough contexts take it, it matches a float64 reference within
+the bf16 tolerance of the other kernels (GQA groups of 1 to 16, contexts off the 16-position
+chunks, windows that start inside a block, soft-caps, 32-position blocks, several query tokens
+of one request), differs from the AVX-512 kernel only by summation order, and other shapes and
+short contexts fall back to that kernel."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from attention_cases import paged_decode_reference
 from tinyvllm.native import NativeCpuOps
 from tinyvllm.native.build import load_library, unsupported_reason
 from tinyvllm.utils.cpu import cpu_flags
+
+MIN_MEAN_POSITIONS = 160  # kMinMeanPositions in attn_amx.cpp
+# Contexts off and on the 16-position chunks (1, 15: a partial first chunk; 17: one past),
+# long enough on average for the AMX kernel, also under the windows below.
+LENS = [1, 15, 16, 17, 100, 450, 700, 900, 1000, 1200]
 
 pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None or not cpu_flags() >= {"amx_bf16", "amx_tile", "avx512_bf16"},
@@ -51,19 +57,20 @@ def _decode(lib, amx: bool, q, kv, seq_lens, block_table, window, cap) -> torch.
     before = lib.tv_decode_amx_calls()
     ops = NativeCpuOps(lib, 2)
     ops.paged_decode(q, out, tok, tok, seq_lens, block_table, kv, scale, window, cap)
+    positions = [min(int(n), window or int(n)) for n in seq_lens]
     fits = q.dtype == torch.bfloat16 and q.shape[-1] == 64
+    fits = fits and sum(positions) >= MIN_MEAN_POSITIONS * len(positions)
     assert lib.tv_decode_amx_calls() == before + int(amx and fits)
     return out.float()
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (4, 1), (2, 2), (16, 2), (16, 1), (12, 4)])
-@pytest.mark.parametrize(("window", "cap"), [(None, None), (21, None), (40, 30.0), (None, 30.0)])
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (350, None), (333, 30.0), (None, 30.0)])
 def test_amx_decode_matches_reference_and_avx512(
     lib, hq: int, hkv: int, window: int | None, cap: float | None
 ) -> None:
-    # 1 and 15 positions: a partial first chunk; 17, 33: one past a chunk; 100, 450: several
-    # blocks with a tail; windows of 21 and 40 start inside a block.
-    q, kv, seq_lens, block_table = _case(hq * 10 + hkv, hq, hkv, [1, 15, 16, 17, 33, 100, 450])
+    # Windows of 350 and 333 start inside a block.
+    q, kv, seq_lens, block_table = _case(hq * 10 + hkv, hq, hkv, LENS)
     got = _decode(lib, True, q, kv, seq_lens, block_table, window, cap)
     wide = _decode(lib, False, q, kv, seq_lens, block_table, window, cap)
     want = paged_decode_reference(q, kv, seq_lens, block_table, q.shape[-1] ** -0.5, window, cap)
@@ -74,10 +81,10 @@ def test_amx_decode_matches_reference_and_avx512(
 
 
 def test_amx_decode_blocks_of_32_and_tokens_of_one_request(lib) -> None:
-    q, kv, _, block_table = _case(7, 9, 3, [70, 70, 70, 5], block_size=32)
-    # Three query tokens of request 0 attend causally (68, 69, 70 positions), as verify tokens
-    # do: the op passes lengths per token through tok_lens.
-    lens = torch.tensor([68, 69, 70, 5], dtype=torch.int32)
+    q, kv, _, block_table = _case(7, 9, 3, [270, 270, 270, 205], block_size=32)
+    # Three query tokens of request 0 attend causally (268, 269, 270 positions), as verify
+    # tokens do: the op passes lengths per token through tok_lens.
+    lens = torch.tensor([268, 269, 270, 205], dtype=torch.int32)
     rows = torch.tensor([0, 0, 0, 3])
     tok = torch.arange(4)
     out = torch.zeros_like(q)
@@ -93,9 +100,14 @@ def test_amx_decode_blocks_of_32_and_tokens_of_one_request(lib) -> None:
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize(("d", "dtype"), [(128, torch.bfloat16), (64, torch.float32)])
-def test_other_shapes_take_the_avx512_kernel(lib, d: int, dtype: torch.dtype) -> None:
-    q, kv, seq_lens, block_table = _case(3, 9, 3, [17, 100], d=d)
+@pytest.mark.parametrize(
+    ("d", "dtype", "lens"),
+    [(128, torch.bfloat16, LENS), (64, torch.float32, LENS), (64, torch.bfloat16, [300, 17])],
+)
+def test_other_shapes_and_short_contexts_take_the_avx512_kernel(
+    lib, d: int, dtype: torch.dtype, lens: list[int]
+) -> None:
+    q, kv, seq_lens, block_table = _case(3, 9, 3, lens, d=d)
     q, kv = q.to(dtype), kv.to(dtype)
     got = _decode(lib, True, q, kv, seq_lens, block_table, None, None)
     wide = _decode(lib, False, q, kv, seq_lens, block_table, None, None)

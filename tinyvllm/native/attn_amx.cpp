@@ -37,6 +37,12 @@ namespace {
 constexpr int64_t kDim = 64;       // head_dim the kernel takes: two 32-dim A tiles
 constexpr int64_t kChunk = 16;     // positions per score tile (one tile's rows)
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head: the columns of a score tile
+// Fewest positions per query token, on average over a call, for which this kernel beats the
+// AVX-512 one. Batch 64 on the SmolLM2-135M shape, 30 layers' caches, interleaved (AVX-512 ->
+// AMX ms per step): mean 64 positions 6.0 -> 7.8, mean 128 12.7 -> 12.7, mean 224 22.9 ->
+// 20.5, mean 350 41 -> 35. Per item the tile configuration, the query repack and two partial
+// chunks cost the same at any length; the scores save per position.
+constexpr int64_t kMinMeanPositions = 160;
 
 // Whether fitting shapes take this kernel (tv_set_decode_amx), and how many calls it took
 // (tv_decode_amx_calls): tests compare both kernels and check which one ran.
@@ -196,8 +202,9 @@ TV_AMX void item(const Shape& sh, const int32_t* blocks, int64_t kh, int64_t fir
 }  // namespace
 
 // tv_paged_decode's arguments and contract (cpu_kernels.cpp) where the cache is bf16,
-// head_dim 64, blocks whole 16-position chunks, at most 16 query heads per KV head, and the
-// CPU and OS allow AMX; false (nothing written) otherwise.
+// head_dim 64, blocks whole 16-position chunks, at most 16 query heads per KV head, the query
+// tokens attend over kMinMeanPositions or more on average, and the CPU and OS allow AMX;
+// false (nothing written) otherwise.
 bool paged_decode_amx(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
                       const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
                       const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,
@@ -207,6 +214,12 @@ bool paged_decode_amx(const void* q, int64_t q_stride, void* out, int dt, int64_
   if (dt != 1 || head_dim != kDim || block_size % kChunk != 0 || hq % hkv != 0 ||
       hq / hkv > kMaxGroup || !g_allowed.load(std::memory_order_relaxed) || !amx_supported())
     return false;
+  int64_t positions = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
+    positions += window > 0 && L > window ? window : L;
+  }
+  if (positions < kMinMeanPositions * n) return false;
   g_calls.fetch_add(1, std::memory_order_relaxed);
   const int64_t G = hq / hkv;
   const uint16_t* kc = static_cast<const uint16_t*>(kv);
