@@ -11,7 +11,8 @@
 // into dim pairs, the B tiles. Items, softmax and value pass are the AVX-512 kernel's: one item
 // per (query token, KV head), weights in fp32, V rows into register accumulators.
 //
-// Arithmetic: scores are fp32 sums of exact bf16 products as before, in another order. The
+// Arithmetic: scores are fp32 sums of exact bf16 products as before, in another order (and
+// tdpbf16ps takes denormal inputs as zero and flushes denormal sums: terms below 2^-126). The
 // softmax is the same sequence of fp32 steps (scale, soft-cap, max, exp, reciprocal of the
 // sum), on scores laid out [position][head] (the tile's) instead of [head][position], so only
 // the order of the max and sum reductions differs.
