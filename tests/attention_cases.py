@@ -3,7 +3,8 @@
 `make_case` builds one step: requests with given context and query lengths, their blocks
 scattered at random over the cache, optional padded requests (query length 0, seq_len 0) and
 padded tokens (slot -1) after the real ones, as CUDA-graph replays pass them.
-`reference_attention` recomputes every real token's output densely from the cache.
+`reference_attention` recomputes every real token's output densely from the cache;
+`paged_decode_reference` does the same for the native decode op's arguments.
 """
 
 from __future__ import annotations
@@ -161,3 +162,23 @@ def reference_attention(case: Case, cache: torch.Tensor) -> torch.Tensor:
 
 def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.double().cpu() - want.double().cpu()).abs().max().item()
+
+
+def paged_decode_reference(q, kv, seq_lens, block_table, scale, window, cap) -> torch.Tensor:
+    """Query token i over the first seq_lens[i] positions of block_table[i], in float64 (the
+    native tv_paged_decode's contract; its kv layout [2][blocks][block_size][Hkv][D])."""
+    _, _, _, hkv, d = kv.shape
+    group = q.shape[1] // hkv
+    outs = []
+    for i in range(q.shape[0]):
+        n = int(seq_lens[i])
+        ids = block_table[i].long()
+        k = kv[0][ids].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1)
+        v = kv[1][ids].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1)
+        s = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        if cap:
+            s = torch.tanh(s / cap) * cap
+        if window:
+            s[:, : max(0, n - window)] = float("-inf")
+        outs.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v))
+    return torch.stack(outs)

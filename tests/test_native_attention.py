@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from attention_cases import paged_decode_reference
 
 from tinyvllm.native import NativeCpuOps
 from tinyvllm.native.build import load_library, unsupported_reason
@@ -27,23 +28,6 @@ def lib() -> Iterator:
     assert loaded is not None
     yield loaded
     loaded.tv_set_isa(0)
-
-
-def _reference(q, kv, seq_lens, block_table, group, scale, window, cap) -> torch.Tensor:
-    _, _, _, hkv, d = kv.shape
-    outs = []
-    for i in range(q.shape[0]):
-        n = int(seq_lens[i])
-        ids = block_table[i].long()
-        k = kv[0][ids].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1)
-        v = kv[1][ids].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1)
-        s = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
-        if cap:
-            s = torch.tanh(s / cap) * cap
-        if window:
-            s[:, : max(0, n - window)] = float("-inf")
-        outs.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v))
-    return torch.stack(outs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,7 +55,7 @@ def test_avx512_paged_decode_matches_avx2_and_torch(
             q, out, tok, tok, seq_lens, block_table, kv, scale, window, cap
         )
         got[isa] = out.float()
-    want = _reference(q, kv, seq_lens, block_table, group, scale, window, cap).float()
+    want = paged_decode_reference(q, kv, seq_lens, block_table, scale, window, cap).float()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for isa in (AVX2, AVX512):
         torch.testing.assert_close(got[isa], want, rtol=tol, atol=tol, msg=f"isa {isa}")

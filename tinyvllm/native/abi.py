@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -186,6 +186,9 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
             None,
             (_P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _P, _L, _L, _L, _L, _L, _L, _F, _I, _P),
         ),
+        # attn_amx.cpp
+        "tv_set_decode_amx": (c_int, (_I,)),
+        "tv_decode_amx_calls": (c_int64, ()),
     }
 )
 

@@ -1,6 +1,6 @@
 // AVX-512 variant of tv_paged_decode (cpu_kernels.cpp calls it when tv::isa_level() says the
-// CPU has AVX-512 and the shape fits: head_dim a multiple of 16 up to 256, at most 16 query
-// heads per KV head). Same two-pass softmax in fp32 as the AVX2 kernel; only the summation
+// CPU has AVX-512, the AMX kernel in attn_amx.cpp declined, and the shape fits: head_dim a
+// multiple of 16 up to 256, at most 16 query heads per KV head). Same two-pass softmax in fp32 as the AVX2 kernel; only the summation
 // order differs (and exp is avx512_math.h's polynomial, within about an ulp of expf).
 //
 // Why: the AVX2 kernel reduced every (key, query head) dot product across the vector on its
@@ -20,6 +20,8 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+
+#include "attn_value.h"  // after the pragma: its templates compile for AVX-512
 
 namespace tv {
 
@@ -86,61 +88,6 @@ void score16_any(int G, const T* kc, const int64_t* off, const float* q, int64_t
     default: score16<8>(kc, off, q, D, out); break;
   }
 }
-
-// out[g][d0 : d0 + 16 NV] = sum_p w[g][p] v_p[d0 : ...] for GB query heads over n positions
-// (value rows at off[p]), accumulators in registers, each lane summing over p in order.
-template <int GB, int NV, typename T>
-inline void value_tile(const T* vc, const int64_t* off, int64_t n, const float* w,
-                       int64_t w_stride, int64_t d0, float* out, int64_t D) {
-  __m512 acc[GB][NV];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < n; ++p) {
-    const T* v = vc + off[p] + d0;
-    __m512 x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = load16(v + 16 * c);
-    for (int g = 0; g < GB; ++g) {
-      const __m512 s = _mm512_set1_ps(w[g * w_stride + p]);
-      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(s, x[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * D + d0 + 16 * c, acc[g][c]);
-}
-
-template <int GB, typename T>
-void value_heads(const T* vc, const int64_t* off, int64_t n, const float* w, int64_t w_stride,
-                 float* out, int64_t D) {
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) value_tile<GB, 4>(vc, off, n, w, w_stride, d, out, D);
-  for (; d < D; d += 16) value_tile<GB, 1>(vc, off, n, w, w_stride, d, out, D);
-}
-
-template <typename T>
-void value_any(int GB, const T* vc, const int64_t* off, int64_t n, const float* w,
-               int64_t w_stride, float* out, int64_t D) {
-  switch (GB) {
-    case 1: value_heads<1>(vc, off, n, w, w_stride, out, D); break;
-    case 2: value_heads<2>(vc, off, n, w, w_stride, out, D); break;
-    case 3: value_heads<3>(vc, off, n, w, w_stride, out, D); break;
-    default: value_heads<4>(vc, off, n, w, w_stride, out, D); break;
-  }
-}
-
-// Per-thread scratch, grown to the longest context seen and kept for the thread's life.
-struct Scratch {
-  void* p = nullptr;
-  int64_t bytes = 0;
-  ~Scratch() { free(p); }
-  void* get(int64_t need) {
-    if (need > bytes) {
-      free(p);
-      p = checked_aligned_alloc(need);
-      bytes = need;
-    }
-    return p;
-  }
-};
 
 struct Item {  // one (query token, KV head): its G query heads over positions [first, L)
   int64_t n, G, D;
@@ -210,7 +157,7 @@ void decode_item(const T* kc, const T* vc, const int64_t* off, const float* qf, 
   item_weights(kc, vc, off, qf, it, w, np);
   for (int64_t g0 = 0; g0 < it.G; g0 += 4) {
     const int gb = it.G - g0 < 4 ? static_cast<int>(it.G - g0) : 4;
-    value_any(gb, vc, off, it.n, w + g0 * np, np, acc + g0 * it.D, it.D);
+    value_any(gb, vc, off, it.n, w + g0 * np, np, 1, acc + g0 * it.D, it.D);
   }
 }
 

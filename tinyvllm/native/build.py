@@ -40,6 +40,7 @@ SOURCES = (
     Path(__file__).with_name("avx512_kernels.cpp"),
     Path(__file__).with_name("int8_kernels.cpp"),
     Path(__file__).with_name("attn_avx512.cpp"),
+    Path(__file__).with_name("attn_amx.cpp"),
     Path(__file__).with_name("prefill_attn_amx.cpp"),
     Path(__file__).with_name("amx_linear.cpp"),
 )
@@ -47,6 +48,7 @@ HEADERS = (
     Path(__file__).with_name("common.h"),
     Path(__file__).with_name("avx512_math.h"),
     Path(__file__).with_name("amx_tiles.h"),
+    Path(__file__).with_name("attn_value.h"),
     Path(__file__).with_name("omp_team.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.

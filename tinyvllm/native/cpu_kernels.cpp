@@ -304,7 +304,7 @@ void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
 
 }  // extern "C"
 
-namespace tv {  // attn_avx512.cpp: the AVX-512 variant of tv_paged_decode below
+namespace tv {  // attn_avx512.cpp / attn_amx.cpp: the AVX-512 and AMX variants of tv_paged_decode
 bool paged_decode_avx512_fits(int64_t hq, int64_t hkv, int64_t head_dim);
 void paged_decode_avx512(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
                          const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
@@ -312,6 +312,13 @@ void paged_decode_avx512(const void* q, int64_t q_stride, void* out, int dt, int
                          const void* kv, int64_t num_blocks, int64_t block_size, int64_t hq,
                          int64_t hkv, int64_t head_dim, float scale, int64_t window,
                          float softcap, int nthreads);
+// attn_amx.cpp: the AMX variant (bf16, head_dim 64); false (nothing done) where it does not fit.
+bool paged_decode_amx(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
+                      const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
+                      const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,
+                      const void* kv, int64_t num_blocks, int64_t block_size, int64_t hq,
+                      int64_t hkv, int64_t head_dim, float scale, int64_t window, float softcap,
+                      int nthreads);
 }  // namespace tv
 
 extern "C" {
@@ -328,6 +335,11 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
                      int64_t bt_stride, const void* kv, int64_t num_blocks, int64_t block_size,
                      int64_t hq, int64_t hkv, int64_t head_dim, float scale, int64_t window,
                      float softcap, int nthreads) {
+  if (isa_level() == kIsaAvx512 &&
+      paged_decode_amx(q, q_stride, out, dt, n, tok, row, tok_lens, seq_lens, block_table,
+                       bt_stride, kv, num_blocks, block_size, hq, hkv, head_dim, scale, window,
+                       softcap, nthreads))
+    return;
   if (isa_level() == kIsaAvx512 && paged_decode_avx512_fits(hq, hkv, head_dim)) {
     paged_decode_avx512(q, q_stride, out, dt, n, tok, row, tok_lens, seq_lens, block_table,
                         bt_stride, kv, num_blocks, block_size, hq, hkv, head_dim, scale, window,
