@@ -147,7 +147,8 @@ def test_native_decode_steps_keep_torch_single_threaded(tiny_models) -> None:
 
         runner.sampler = recording_sampler
         prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 70)]
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        # Sampled, not greedy: plain greedy steps take their argmax without the sampler.
+        params = SamplingParams(temperature=0.8, seed=0, max_tokens=4, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)
         assert torch.get_num_threads() == 2
     finally:
