@@ -188,3 +188,31 @@ def test_decode_steps_in_a_row_set_torch_threads_once(
 
 def _raising(sched: Any) -> Any:
     raise RuntimeError("boom")
+
+
+def test_a_decode_step_after_a_big_step_returns_the_free_heap(
+    monkeypatch: pytest.MonkeyPatch, two_torch_threads
+) -> None:
+    """The freed activations of a big step (kept mapped for the next one) go back to the OS
+    when decode-sized steps follow, which grow the KV cache instead: once per such change."""
+    import tinyvllm.platforms.cpu as cpu
+    from tinyvllm.platforms.cpu import CpuPlatform
+
+    releases: list[int] = []
+    monkeypatch.setattr(cpu, "release_free_heap", lambda: releases.append(1) or True)
+    platform = CpuPlatform(torch.device("cpu"), torch.float32, None)
+    steps = [
+        (cpu.HEAP_RELEASE_AFTER_TOKENS - 1, 0),  # a mid-sized step: its activations stay
+        (1, 0),
+        (cpu.HEAP_RELEASE_AFTER_TOKENS, 0),
+        (0, 0),  # an empty step (finished rows dropped) is no decode step
+        (1, 1),  # a decode step after a big one
+        (cpu.HEAP_RELEASE_STEP_TOKENS, 1),  # more decode steps: nothing left to return
+        (cpu.HEAP_RELEASE_AFTER_TOKENS * 4, 1),
+        (cpu.HEAP_RELEASE_STEP_TOKENS + 1, 1),  # not decode-sized: the next big step reuses it
+        (cpu.HEAP_RELEASE_AFTER_TOKENS, 1),
+        (cpu.HEAP_RELEASE_STEP_TOKENS, 2),
+    ]
+    for tokens, released_before in steps:
+        with platform.torch_step(tokens):
+            assert len(releases) == released_before, (tokens, releases)

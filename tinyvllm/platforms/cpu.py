@@ -28,6 +28,7 @@ from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
 from tinyvllm.platforms.interface import Platform
 from tinyvllm.platforms.weight_pages import move_weights_to_huge_pages
 from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
+from tinyvllm.utils.memory import release_free_heap
 from tinyvllm.utils.omp import omp_waits_spin
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,14 @@ logger = logging.getLogger(__name__)
 # oneDNN's per-call reorder of the plain weight.
 PACKED_GEMM_MIN_ROWS = 8
 PACKED_GEMM_MAX_ROWS = 256
+# A decode-sized step (up to this many tokens) right after a step of at least
+# HEAP_RELEASE_AFTER_TOKENS hands the C heap's free memory back to the OS first
+# (release_free_heap). Why: the big step's freed activations stay mapped for the next big step
+# (keep_freed_heap_mapped) and sat in RSS under the KV cache the decode steps then grow: the
+# real SmolLM2-135M Q4_1's 16-request batch peaked at 443-444 MiB, 427-429 with this. One
+# malloc_trim per burst of prefill; the next big step faults its activations in again.
+HEAP_RELEASE_STEP_TOKENS = 64
+HEAP_RELEASE_AFTER_TOKENS = 256
 
 
 class CpuPlatform(Platform):
@@ -82,6 +91,7 @@ class CpuPlatform(Platform):
         self._threads_before_steps = 0
         # The step in progress (one at a time), from `start_step` for `finish_step`.
         self._step_tokens = self._step_start = self._step_restore_threads = 0
+        self._last_step_tokens = 0  # the previous step's, for HEAP_RELEASE_AFTER_TOKENS
         self._step_native = self._step_gemms = self._step_chooses_threads = False
 
     @property
@@ -113,6 +123,13 @@ class CpuPlatform(Platform):
 
     def start_step(self, num_tokens: int, native: bool) -> None:
         native_ops = self.native
+        if (
+            0 < num_tokens <= HEAP_RELEASE_STEP_TOKENS
+            and self._last_step_tokens >= HEAP_RELEASE_AFTER_TOKENS
+        ):
+            release_free_heap()
+        if num_tokens:
+            self._last_step_tokens = num_tokens
         self._step_tokens = num_tokens
         self._step_native = native and native_ops is not None
         self._step_gemms = self._step_chooses_threads = False
