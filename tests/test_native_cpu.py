@@ -218,7 +218,7 @@ def test_bf16_rounding_instruction_rounds_as_the_integer_path(ops: NativeCpuOps)
         0x00008000, 0x00018000, 0x00400000, 0x3F808000, 0x3F818000, 0x3F807FFF,  # ties
         0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,  # overflow to inf, infinities
         0x7FC00000, 0x7F800001, 0xFFC12345, 0x7FBFFFFF,  # quiet and signalling NaNs
-    ]
+    ]  # fmt: skip
     bits = torch.cat([
         torch.tensor(special, dtype=torch.int64),
         torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64),

@@ -57,19 +57,6 @@ class AmxPrefillAttention:
             and k.stride(0) % 2 == 0  # K rows are gathered as 32-bit pairs
         )
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float
-    ) -> torch.Tensor:
-        """Causal attention of T / length prompts of `length` tokens laid out back to back;
-        returns [T, Hq, 64] bf16. Call only where `fits` holds."""
-        t, hq, _ = q.shape
-        out = torch.empty((t, hq, HEAD_DIM), dtype=q.dtype)
-        n = t // length
-        starts = torch.arange(0, n * length, length, dtype=torch.int64)
-        lens = torch.full((n,), length, dtype=torch.int64)
-        self.attend(q, k, v, out, AmxPromptBatch([], starts, lens, length), scale)
-        return out
-
     @staticmethod
     def fits_cache(kv_cache: torch.Tensor, k: torch.Tensor) -> bool:
         """The paged cache [2, blocks, block_size, Hkv, 64] can hold the context of prompts

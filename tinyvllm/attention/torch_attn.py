@@ -132,7 +132,10 @@ class TorchAttentionBackend(AttentionBackend):
             groups,
             prefills,
             _uniform_len(prefills, decode_rows),
-            AmxPromptBatch.build([span for span in prefills if not span.bidirectional]),
+            # Only where a kernel can take them: other backends and CPUs skip the tensors.
+            AmxPromptBatch.build([span for span in prefills if not span.bidirectional])
+            if prefills and self._amx_prefill_kernel() is not None
+            else None,
         )
 
     @staticmethod
@@ -184,17 +187,15 @@ class TorchAttentionBackend(AttentionBackend):
                 prefill_dtype = query.dtype
             q = query.to(prefill_dtype)
             key, value = key.to(prefill_dtype), value.to(prefill_dtype)
+            spans = self._amx_prompts(plan, layer, q, key, value, kv_cache, out)
             uniform = plan.uniform_len
             if (
-                uniform is not None
+                spans
+                and uniform is not None
                 and uniform * len(plan.prefills) == query.shape[0]  # no padding rows
                 and _plain_causal(layer, uniform)
             ):
-                amx = self._amx_prefill_kernel() if q.dtype == torch.bfloat16 else None
-                if amx is not None and amx.fits(q, key, value):
-                    return amx(q, key, value, uniform, layer.scale)
                 return _uniform_prefill(layer, q, key, value, uniform).to(query.dtype)
-            spans = self._amx_prompts(plan, layer, q, key, value, kv_cache, out)
             for span in spans:
                 out[span.start : span.end] = self._prefill(layer, q, key, value, kv_cache, span)
         if plan.decode_groups:

@@ -26,6 +26,7 @@
 
 #include "amx_tiles.h"
 #include "common.h"
+#include "paged_decode.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
@@ -206,35 +207,30 @@ TV_AMX void item(const Shape& sh, const int32_t* blocks, int64_t kh, int64_t fir
 // head_dim 64, blocks whole 16-position chunks, at most 16 query heads per KV head, the query
 // tokens attend over kMinMeanPositions or more on average, and the CPU and OS allow AMX;
 // false (nothing written) otherwise.
-bool paged_decode_amx(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
-                      const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
-                      const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,
-                      const void* kv, int64_t num_blocks, int64_t block_size, int64_t hq,
-                      int64_t hkv, int64_t head_dim, float scale, int64_t window, float softcap,
-                      int nthreads) {
-  if (dt != 1 || head_dim != kDim || block_size % kChunk != 0 || hq % hkv != 0 ||
-      hq / hkv > kMaxGroup || !g_allowed.load(std::memory_order_relaxed) || !amx_supported())
+bool paged_decode_amx(const PagedDecode& a) {
+  const int64_t hkv = a.hkv, block_size = a.block_size;
+  if (a.dt != 1 || a.head_dim != kDim || block_size % kChunk != 0 || a.hq % hkv != 0 ||
+      a.hq / hkv > kMaxGroup || !g_allowed.load(std::memory_order_relaxed) || !amx_supported())
     return false;
   int64_t positions = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
-    positions += window > 0 && L > window ? window : L;
+  for (int64_t i = 0; i < a.n; ++i) {
+    const int64_t L = a.length(i);
+    positions += L - a.first(L);
   }
-  if (positions < kMinMeanPositions * n) return false;
+  if (positions < kMinMeanPositions * a.n) return false;
   g_calls.fetch_add(1, std::memory_order_relaxed);
-  const int64_t G = hq / hkv;
-  const uint16_t* kc = static_cast<const uint16_t*>(kv);
-  const Shape sh{kc, kc + num_blocks * block_size * hkv * kDim, block_size, G, hkv * kDim,
-                 scale, softcap};
-  parallel_for(n * hkv, nthreads, [&](int64_t it) {
+  const int64_t G = a.hq / hkv;
+  const uint16_t* kc = static_cast<const uint16_t*>(a.kv);
+  const Shape sh{kc, kc + a.num_blocks * block_size * hkv * kDim, block_size, G, hkv * kDim,
+                 a.scale, a.softcap};
+  parallel_for(a.n * hkv, a.nthreads, [&](int64_t it) {
     thread_local Scratch scratch;
     const int64_t i = it / hkv, h0 = it % hkv * G;
-    const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
-    const int64_t first = window > 0 && L - window > 0 ? L - window : 0;
+    const int64_t L = a.length(i);
     alignas(64) float acc[kMaxGroup * kDim];
-    item(sh, block_table + row[i] * bt_stride, it % hkv, first, L,
-         static_cast<const uint16_t*>(q) + tok[i] * q_stride + h0 * kDim, scratch, acc);
-    uint16_t* o = static_cast<uint16_t*>(out) + (tok[i] * hq + h0) * kDim;
+    item(sh, a.blocks(i), it % hkv, a.first(L), L,
+         static_cast<const uint16_t*>(a.q) + a.tok[i] * a.q_stride + h0 * kDim, scratch, acc);
+    uint16_t* o = static_cast<uint16_t*>(a.out) + (a.tok[i] * a.hq + h0) * kDim;
     for (int64_t e = 0; e < G * kDim; e += 16)  // rounded as common.h's f32_to_bf16
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + e),
                           _mm512_cvtepi32_epi16(bf16_round_bits(_mm512_loadu_ps(acc + e))));

@@ -17,6 +17,7 @@
 
 #include "avx512_math.h"
 #include "common.h"
+#include "paged_decode.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
@@ -167,22 +168,17 @@ bool paged_decode_avx512_fits(int64_t hq, int64_t hkv, int64_t head_dim) {
   return head_dim % 16 == 0 && head_dim <= kMaxDim && hq / hkv <= kMaxGroup;
 }
 
-// tv_paged_decode's arguments and contract (cpu_kernels.cpp), for shapes that fit.
-void paged_decode_avx512(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
-                         const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
-                         const int32_t* seq_lens, const int32_t* block_table,
-                         int64_t bt_stride, const void* kv, int64_t num_blocks,
-                         int64_t block_size, int64_t hq, int64_t hkv, int64_t head_dim,
-                         float scale, int64_t window, float softcap, int nthreads) {
-  const int64_t group = hq / hkv, D = head_dim;
-  const int64_t cache_half = num_blocks * block_size * hkv * head_dim;
-  parallel_for(n * hkv, nthreads, [&](int64_t item) {
+// tv_paged_decode's contract (cpu_kernels.cpp), for shapes that fit.
+void paged_decode_avx512(const PagedDecode& a) {
+  const int64_t hkv = a.hkv, head_dim = a.head_dim, block_size = a.block_size;
+  const int64_t group = a.hq / hkv, D = head_dim;
+  const int64_t cache_half = a.num_blocks * block_size * hkv * head_dim;
+  parallel_for(a.n * hkv, a.nthreads, [&](int64_t item) {
     thread_local Scratch scratch;
     const int64_t i = item / hkv, kh = item % hkv;
-    const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
-    const int32_t* blocks = block_table + row[i] * bt_stride;
-    const int64_t first = window > 0 && L - window > 0 ? L - window : 0;
-    const Item it{L - first, group, D, scale, softcap};
+    const int64_t L = a.length(i), first = a.first(L);
+    const int32_t* blocks = a.blocks(i);
+    const Item it{L - first, group, D, a.scale, a.softcap};
     const int64_t np = (it.n + 15) / 16 * 16;
     int64_t* off = static_cast<int64_t*>(scratch.get(np * 8 + group * np * 4));
     float* w = reinterpret_cast<float*>(off + np);
@@ -201,17 +197,17 @@ void paged_decode_avx512(const void* q, int64_t q_stride, void* out, int dt, int
     for (int64_t p = it.n; p < np; ++p) off[p] = off[it.n - 1];
     alignas(64) float qf[kMaxGroup * kMaxDim];
     alignas(64) float acc[kMaxGroup * kMaxDim];
-    const int64_t q0 = tok[i] * q_stride + kh * group * D;
-    for (int64_t e = 0; e < group * D; ++e) qf[e] = load(q, q0 + e, dt);
-    if (dt) {
-      const uint16_t* kc = static_cast<const uint16_t*>(kv);
+    const int64_t q0 = a.tok[i] * a.q_stride + kh * group * D;
+    for (int64_t e = 0; e < group * D; ++e) qf[e] = load(a.q, q0 + e, a.dt);
+    if (a.dt) {
+      const uint16_t* kc = static_cast<const uint16_t*>(a.kv);
       decode_item(kc, kc + cache_half, off, qf, it, w, np, acc);
     } else {
-      const float* kc = static_cast<const float*>(kv);
+      const float* kc = static_cast<const float*>(a.kv);
       decode_item(kc, kc + cache_half, off, qf, it, w, np, acc);
     }
-    const int64_t o0 = (tok[i] * hq + kh * group) * D;
-    for (int64_t e = 0; e < group * D; ++e) store(out, o0 + e, acc[e], dt);
+    const int64_t o0 = (a.tok[i] * a.hq + kh * group) * D;
+    for (int64_t e = 0; e < group * D; ++e) store(a.out, o0 + e, acc[e], a.dt);
   });
 }
 

@@ -49,6 +49,7 @@ HEADERS = (
     Path(__file__).with_name("avx512_math.h"),
     Path(__file__).with_name("amx_tiles.h"),
     Path(__file__).with_name("attn_value.h"),
+    Path(__file__).with_name("paged_decode.h"),
     Path(__file__).with_name("omp_team.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "paged_decode.h"
 
 namespace {
 
@@ -304,22 +305,6 @@ void tv_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
 
 }  // extern "C"
 
-namespace tv {  // attn_avx512.cpp / attn_amx.cpp: the AVX-512 and AMX variants of tv_paged_decode
-bool paged_decode_avx512_fits(int64_t hq, int64_t hkv, int64_t head_dim);
-void paged_decode_avx512(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
-                         const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
-                         const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,
-                         const void* kv, int64_t num_blocks, int64_t block_size, int64_t hq,
-                         int64_t hkv, int64_t head_dim, float scale, int64_t window,
-                         float softcap, int nthreads);
-// attn_amx.cpp: the AMX variant (bf16, head_dim 64); false (nothing done) where it does not fit.
-bool paged_decode_amx(const void* q, int64_t q_stride, void* out, int dt, int64_t n,
-                      const int64_t* tok, const int64_t* row, const int32_t* tok_lens,
-                      const int32_t* seq_lens, const int32_t* block_table, int64_t bt_stride,
-                      const void* kv, int64_t num_blocks, int64_t block_size, int64_t hq,
-                      int64_t hkv, int64_t head_dim, float scale, int64_t window, float softcap,
-                      int nthreads);
-}  // namespace tv
 
 extern "C" {
 
@@ -335,15 +320,12 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
                      int64_t bt_stride, const void* kv, int64_t num_blocks, int64_t block_size,
                      int64_t hq, int64_t hkv, int64_t head_dim, float scale, int64_t window,
                      float softcap, int nthreads) {
-  if (isa_level() == kIsaAvx512 &&
-      paged_decode_amx(q, q_stride, out, dt, n, tok, row, tok_lens, seq_lens, block_table,
-                       bt_stride, kv, num_blocks, block_size, hq, hkv, head_dim, scale, window,
-                       softcap, nthreads))
-    return;
+  const PagedDecode a{q, q_stride, out, dt, n, tok, row, tok_lens, seq_lens, block_table,
+                      bt_stride, kv, num_blocks, block_size, hq, hkv, head_dim, scale, window,
+                      softcap, nthreads};
+  if (isa_level() == kIsaAvx512 && paged_decode_amx(a)) return;
   if (isa_level() == kIsaAvx512 && paged_decode_avx512_fits(hq, hkv, head_dim)) {
-    paged_decode_avx512(q, q_stride, out, dt, n, tok, row, tok_lens, seq_lens, block_table,
-                        bt_stride, kv, num_blocks, block_size, hq, hkv, head_dim, scale, window,
-                        softcap, nthreads);
+    paged_decode_avx512(a);
     return;
   }
   const int64_t group = hq / hkv;
@@ -351,10 +333,8 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
   // One item per (query token, KV head): its query heads share every K and V row read.
   parallel_for(n * hkv, nthreads, [&](int64_t item) {
     const int64_t i = item / hkv, kh = item % hkv;
-    const int64_t L = tok_lens ? tok_lens[i] : seq_lens[row[i]];
-    const int32_t* blocks = block_table + row[i] * bt_stride;
-    const int64_t qpos = L - 1;
-    const int64_t first = window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
+    const int64_t L = a.length(i), first = a.first(L);
+    const int32_t* blocks = a.blocks(i);
     // Per position: the element offset of its K row; its V row is cache_half further on.
     int64_t* off = static_cast<int64_t*>(
         checked_malloc(L * 8 + (L + 1) * group * 4 + head_dim * group * 8));

@@ -10,6 +10,7 @@ import torch
 from tinyvllm.runner.states import RequestStates
 from tinyvllm.sample.logprobs import LogprobsTensors
 from tinyvllm.sample.metadata import SAMPLING_EPS, SamplingMetadata, step_seed
+from tinyvllm.sample.sampler import argmax_rows
 
 
 def build_sampling_metadata(
@@ -133,10 +134,10 @@ def greedy_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]
     finite) where every row takes the plain argmax of its logits: greedy, nothing masked or
     penalised, no logprobs; None otherwise (then the sampler runs).
 
-    Why: for such a step the sampler's work is one argmax per row, but its dispatch (masks,
-    penalties, a tensor of ids and its list) touches far more code and data than the argmax,
-    and after a decode step has streamed the weights through the caches that costs ~50 us at
-    batch 1 (the step takes ~7 ms).
+    Why: for such a step the sampler's work is one argmax per row (`argmax_rows`), but its
+    dispatch (masks, penalties, a tensor of ids and its list) touches far more code and data
+    than the argmax, and after a decode step has streamed the weights through the caches that
+    costs ~50 us at batch 1 (the step takes ~7 ms).
     """
     if not (
         metadata.all_greedy
@@ -146,14 +147,12 @@ def greedy_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]
         and logits.device.type == "cpu"
         and logits.dtype == torch.float32
         and logits.dim() == 2
-        and logits.shape[1]
         and not logits.requires_grad
     ):
         return None
-    values = logits.numpy()
-    # numpy's argmax is the sampler's (`argmax_rows`): the first maximal index, NaN maximal.
-    tokens = values.argmax(axis=-1).tolist()
-    return [t if math.isfinite(values[i, t]) else -1 for i, t in enumerate(tokens)]
+    tokens = argmax_rows(logits).tolist()
+    finite = finite_rows(logits, tokens, metadata)
+    return [t if ok else -1 for t, ok in zip(tokens, finite, strict=True)]
 
 
 def finite_rows(logits: torch.Tensor, tokens: list[int], metadata: SamplingMetadata) -> list[bool]:
