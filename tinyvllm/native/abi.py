@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -36,6 +36,10 @@ FORMAT_Q5_0 = 7
 # Or-ed into a Q4_0 / Q4_1 / Q8_0 code: GEMVs round their activations to int8 per block of 32
 # (int8_kernels.cpp, opt-in `int8_activations`; not exact) where the CPU has AVX512-VNNI.
 FORMAT_INT8_ACT = 0x100
+# Or-ed (with FORMAT_INT8_ACT) into a Q4_0 / Q4_1 / Q8_0 code: the matrix is repacked 16 rows
+# at a time for the int8-activation GEMVs (int8_rows16.cpp, `tv_repack_rows16`); dequantizing
+# and embedding lookups read it as well.
+FORMAT_ROWS16 = 0x200
 
 DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(
     {torch.float32: FORMAT_F32, torch.bfloat16: FORMAT_BF16}
@@ -179,6 +183,9 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_set_isa": (c_int, (_I,)),
         # int8_kernels.cpp
         "tv_int8_act_supported": (c_int, (_I,)),
+        # int8_rows16.cpp
+        "tv_rows16_supported": (c_int, (_I,)),
+        "tv_repack_rows16": (None, (_P, _I, _L, _L, _P, _I)),
         # amx_linear.cpp
         "tv_amx_supported": (c_int, ()),
         # prefill_attn_amx.cpp

@@ -39,6 +39,7 @@ SOURCES = (
     Path(__file__).with_name("thread_pool.cpp"),
     Path(__file__).with_name("avx512_kernels.cpp"),
     Path(__file__).with_name("int8_kernels.cpp"),
+    Path(__file__).with_name("int8_rows16.cpp"),
     Path(__file__).with_name("attn_avx512.cpp"),
     Path(__file__).with_name("attn_amx.cpp"),
     Path(__file__).with_name("prefill_attn_amx.cpp"),
@@ -51,6 +52,7 @@ HEADERS = (
     Path(__file__).with_name("attn_value.h"),
     Path(__file__).with_name("paged_decode.h"),
     Path(__file__).with_name("omp_team.h"),
+    Path(__file__).with_name("int8_act.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
 # No OpenMP: thread_pool.cpp is the library's own runtime (a second OpenMP next to torch's

@@ -13,7 +13,7 @@
 
 // The ABI this source tree exports (tinyvllm/native/abi.py declares it for ctypes: signatures,
 // struct layouts, codes). Bump both together on any change the Python side must follow.
-#define TV_ABI_VERSION 11
+#define TV_ABI_VERSION 12
 
 namespace tv {
 
@@ -65,6 +65,14 @@ bool int8_act_supported(int fmt);
 // Same contract as tv_linear_blocks for a format int8_act_supported() accepts.
 void linear_blocks_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
                         int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
+// A Q4_0 / Q4_1 / Q8_0 code with this bit set (always with kFmtInt8Act) names a matrix
+// repacked 16 rows at a time (int8_rows16.cpp, tv_repack_rows16): its GEMVs run
+// linear_rows16_int8 (same contract as tv_linear_blocks), its rows dequantize through
+// rows16_gguf_row (row r's GGUF blocks, K / 32 of them, into row).
+constexpr int kFmtRows16 = 0x200;
+void linear_rows16_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
+                        int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
+void rows16_gguf_row(const uint8_t* w, int fmt, int64_t K, int64_t r, uint8_t* row);
 
 template <class F>
 void parallel_for(int64_t n, int nthreads, F&& f) {

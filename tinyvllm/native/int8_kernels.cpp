@@ -29,6 +29,9 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
+// After the target pragma: its inline AVX-512 functions compile for that target.
+#include "int8_act.h"
+
 namespace tv {
 
 namespace {
@@ -44,30 +47,6 @@ struct ActQ8 {
   int64_t groups, pairs, q_stride, dx_stride, sx_stride;
 };
 
-inline __m512 load16(const void* x, int x_dt, int64_t i) {
-  if (x_dt == 0) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-      static_cast<const uint16_t*>(x) + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Block g (32 values at x + off) -> 32 int8 at q (in order), dx, sum of the int8 values.
-inline void quantize_block(const void* x, int x_dt, int64_t off, int8_t* q, float* dx,
-                           int32_t* sum) {
-  const __m512 a = load16(x, x_dt, off), b = load16(x, x_dt, off + 16);
-  const __m512 mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, mask),
-                                                        _mm512_and_ps(b, mask)));
-  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-  // Round to nearest even (the default MXCSR mode), as torch.round.
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
-  *dx = d;
-  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-}
-
 void quantize_row(const void* x, int x_dt, int64_t K, bool q4_layout, const ActQ8& a,
                   int64_t m) {
   int8_t* q = a.q + m * a.q_stride;
@@ -78,7 +57,7 @@ void quantize_row(const void* x, int x_dt, int64_t K, bool q4_layout, const ActQ
     float dx[2];
     int32_t sum[2];
     for (int j = 0; j < 2; ++j)
-      quantize_block(x, x_dt, m * K + 32 * (2 * p + j), blk[j], dx + j, sum + j);
+      int8_act_block(x, x_dt, m * K + 32 * (2 * p + j), blk[j], dx + j, sum + j);
     int8_t* dst = q + 64 * p;
     if (q4_layout) {
       for (int half = 0; half < 2; ++half)
@@ -96,7 +75,7 @@ void quantize_row(const void* x, int x_dt, int64_t K, bool q4_layout, const ActQ
   if (a.groups % 2) {
     float dx;
     int32_t sum;
-    quantize_block(x, x_dt, m * K + 32 * (a.groups - 1), q + 64 * a.pairs, &dx, &sum);
+    int8_act_block(x, x_dt, m * K + 32 * (a.groups - 1), q + 64 * a.pairs, &dx, &sum);
     for (int lane = 0; lane < 16; ++lane) dxp[16 * a.pairs + lane] = lane < 8 ? dx : 0.0f;
     const float s[4] = {0.0f, dx * static_cast<float>(sum), 0.0f, 0.0f};
     memcpy(sxp + 4 * a.pairs, s, sizeof(s));

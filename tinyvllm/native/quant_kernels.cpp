@@ -335,6 +335,14 @@ void dequant_groups(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
+// Row r's GGUF blocks: in place, or gathered into tmp from a 16-row layout (kFmtRows16).
+const uint8_t* gguf_row(const uint8_t* w, int fmt, bool rows16, int64_t row_bytes, int64_t K,
+                        int64_t r, uint8_t* tmp) {
+  if (!rows16) return w + r * row_bytes;
+  rows16_gguf_row(w, fmt, K, r, tmp);
+  return tmp;
+}
+
 void dequant_row(int fmt, const uint8_t* row, int64_t K, float* out) {
   switch (fmt) {
     case kQ4_0: return dequant_groups<Q4_0Fmt, true>(row, K, out);
@@ -418,6 +426,10 @@ extern "C" {
 // where this CPU and format have them (int8_kernels.cpp; not exact), else runs this one.
 void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
                       int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads) {
+  if (w_fmt & kFmtRows16)  // only made where the int8 kernels run (tv_rows16_supported)
+    return linear_rows16_int8(x, x_dt, static_cast<const uint8_t*>(w),
+                              w_fmt & ~(kFmtRows16 | kFmtInt8Act), bias, b_dt, out, M, N, K,
+                              nthreads);
   if (w_fmt & kFmtInt8Act) {
     w_fmt &= ~kFmtInt8Act;
     if (int8_act_supported(w_fmt))
@@ -489,7 +501,8 @@ void tv_linear_any(const void* x, int x_dt, const void* w, int w_fmt, const void
 // dequantizes slabs of rows and runs a GEMM on them).
 void tv_dequant_rows(const void* w, int w_fmt, int64_t K, int64_t row0, int64_t row1,
                      float* out, int nthreads) {
-  w_fmt &= ~kFmtInt8Act;  // the flag asks for other GEMVs only
+  const bool rows16 = w_fmt & kFmtRows16;
+  w_fmt &= ~(kFmtInt8Act | kFmtRows16);  // the flag asks for other GEMVs only
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
   const int64_t row_bytes = K / elems * bytes;
@@ -497,8 +510,11 @@ void tv_dequant_rows(const void* w, int w_fmt, int64_t K, int64_t row0, int64_t 
   constexpr int64_t kRows = 8;  // per item: enough work to amortise the claim
   parallel_for((row1 - row0 + kRows - 1) / kRows, nthreads, [&](int64_t item) {
     const int64_t r0 = row0 + item * kRows, r1 = r0 + kRows < row1 ? r0 + kRows : row1;
+    uint8_t* tmp = rows16 ? static_cast<uint8_t*>(checked_malloc(row_bytes)) : nullptr;
     for (int64_t r = r0; r < r1; ++r)
-      dequant_row(w_fmt, wb + r * row_bytes, K, out + (r - row0) * K);
+      dequant_row(w_fmt, gguf_row(wb, w_fmt, rows16, row_bytes, K, r, tmp), K,
+                  out + (r - row0) * K);
+    free(tmp);
   });
 }
 
@@ -506,18 +522,24 @@ void tv_dequant_rows(const void* w, int w_fmt, int64_t K, int64_t row0, int64_t 
 // in out_dt (one rounding, as casting the fp32 dequantized table would give).
 void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, int64_t K,
                       void* out, int out_dt) {
-  w_fmt &= ~kFmtInt8Act;
+  const bool rows16 = w_fmt & kFmtRows16;
+  w_fmt &= ~(kFmtInt8Act | kFmtRows16);
   int64_t elems, bytes;
   block_layout(w_fmt, &elems, &bytes);
+  const int64_t row_bytes = elems ? K / elems * bytes : 0;
   float* row = static_cast<float*>(checked_aligned_alloc(K * 4));
+  uint8_t* tmp = rows16 ? static_cast<uint8_t*>(checked_malloc(row_bytes)) : nullptr;
   for (int64_t t = 0; t < T; ++t) {
     if (w_fmt == kF32 || w_fmt == kBF16) {
       for (int64_t k = 0; k < K; ++k) row[k] = load(w, ids[t] * K + k, w_fmt);
     } else {
-      dequant_row(w_fmt, static_cast<const uint8_t*>(w) + ids[t] * (K / elems * bytes), K, row);
+      const uint8_t* blocks = gguf_row(static_cast<const uint8_t*>(w), w_fmt, rows16, row_bytes,
+                                       K, ids[t], tmp);
+      dequant_row(w_fmt, blocks, K, row);
     }
     for (int64_t k = 0; k < K; ++k) store(out, t * K + k, row[k], out_dt);
   }
+  free(tmp);
   free(row);
 }
 

@@ -92,6 +92,26 @@ class QuantKernels:
         kernel here (AVX512-VNNI, Q4_0 / Q4_1 / Q8_0) rather than the exact one."""
         return bool(self.lib.tv_int8_act_supported(fmt & ~FORMAT_INT8_ACT))
 
+    def rows16_supported(self, fmt: int) -> bool:
+        """Whether a Q4_0 / Q4_1 / Q8_0 matrix can be repacked 16 rows at a time for the
+        int8-activation GEMVs here (`repack_rows16`; its rows must be a multiple of 16)."""
+        return bool(self.lib.tv_rows16_supported(fmt & ~FORMAT_INT8_ACT))
+
+    def repack_rows16(self, fmt: int, weight: torch.Tensor, in_features: int) -> torch.Tensor:
+        """The block matrix `weight` [N, bytes per row] in the 16-row layout the code
+        `fmt | FORMAT_ROWS16` names (same shape and bytes, rows interleaved; int8_rows16.cpp)."""
+        if weight.shape[0] % 16 or in_features % 32 or not weight.is_contiguous():
+            raise ValueError(
+                f"the 16-row layout needs a contiguous matrix with a multiple of 16 rows and "
+                f"of 32 columns, got {tuple(weight.shape)} for {in_features} columns"
+            )
+        out = torch.empty_like(weight)
+        self.lib.tv_repack_rows16(
+            weight.data_ptr(), fmt & ~FORMAT_INT8_ACT, weight.shape[0], in_features,
+            out.data_ptr(), self.num_threads,
+        )  # fmt: skip
+        return out
+
     def dequantize_rows(
         self, fmt: int, weight: torch.Tensor, in_features: int, start: int, stop: int
     ) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 from tinyvllm.gguf.dequant import Q8_0, Q8_0_SUBSETS, qtype_name, to_q8_0
 from tinyvllm.gguf.dequant import dequantize as dequantize_blocks
 from tinyvllm.gguf.weight import GGUFWeight
-from tinyvllm.native.abi import FORMAT_INT8_ACT, GGUF_FORMATS, format_code
+from tinyvllm.native.abi import FORMAT_INT8_ACT, FORMAT_ROWS16, GGUF_FORMATS, format_code
 from tinyvllm.native.ops import max_linear_rows
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.quant import kernels
@@ -133,10 +133,17 @@ class GGUFBlocks(PackedWeight):
         assert spec.kernels is not None
         self.kernels = spec.kernels
         self.qtype = qtype
+        # The layout's code (every kernel call names it): the file's blocks, or with the opt-in
+        # int8-activation GEMVs where they run, the same blocks interleaved 16 rows at a time,
+        # which those GEMVs read at several times the speed (int8_rows16.cpp).
         self.code = GGUF_FORMATS[qtype]
+        int8 = spec.config.int8_activations
+        if int8 and blocks.shape[0] % 16 == 0 and self.kernels.rows16_supported(self.code):
+            blocks = self.kernels.repack_rows16(self.code, blocks, spec.in_features)
+            self.code |= FORMAT_ROWS16
         # The code GEMVs run with: flagged for the opt-in int8-activation kernels (the native
         # side falls back to the exact kernel for formats or CPUs they do not cover).
-        self.gemv_code = self.code | (FORMAT_INT8_ACT if spec.config.int8_activations else 0)
+        self.gemv_code = self.code | (FORMAT_INT8_ACT if int8 else 0)
         self.register_buffer("qweight", blocks)
 
     @classmethod
@@ -171,6 +178,11 @@ class GGUFBlocks(PackedWeight):
         return rows.to(self.model_dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.code & FORMAT_ROWS16:  # the native rows give the same bits as the reference
+            rows = self.kernels.dequantize_rows(
+                self.code, self.qweight, self.in_features, 0, self.out_features
+            )
+            return rows.to(dtype)
         shape = (self.out_features, self.in_features)
         return dequantize_blocks(self.qweight, self.qtype, shape).to(dtype)
 

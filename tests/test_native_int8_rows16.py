@@ -1,0 +1,128 @@
+"""The int8-activation GEMVs over matrices repacked 16 rows at a time
+(tinyvllm/native/int8_rows16.cpp) against the torch reference of their arithmetic
+(test_native_int8.py), and the layout's other readers: dequantized rows and embedding lookups
+give the file layout's bits, and the engine repacks only with the opt-in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_native_int8 import FORMATS, check, random_blocks, reference
+
+from tinyvllm.native.abi import FORMAT_INT8_ACT, FORMAT_Q4_1, FORMAT_ROWS16
+from tinyvllm.native.build import load_library, unsupported_reason
+from tinyvllm.native.quant_ops import QuantKernels
+
+pytestmark = pytest.mark.skipif(
+    unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
+)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> QuantKernels:
+    lib = load_library()
+    assert lib is not None
+    lib.tv_set_isa(0)
+    kernels = QuantKernels(lib, 2)
+    if not kernels.rows16_supported(FORMAT_Q4_1):
+        pytest.skip("no AVX512-VNNI here: nothing is repacked")
+    return kernels
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: FORMATS[f][0])
+@pytest.mark.parametrize("k", [32, 96, 576, 1536])  # odd block counts end on one accumulator
+@pytest.mark.parametrize("m", [1, 4, 7, 13])  # tiles of 4 input rows and their remainders
+def test_rows16_gemv_matches_the_reference(kernels: QuantKernels, fmt: int, k: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(fmt * 1000 + k + m)
+    rows = 80  # 5 groups: items of 2 groups and a short last one
+    blocks = random_blocks(fmt, rows, k, gen)
+    packed = kernels.repack_rows16(fmt, blocks, k)
+    assert not torch.equal(packed, blocks)
+    code = fmt | FORMAT_INT8_ACT | FORMAT_ROWS16
+    x = torch.randn(m, k, generator=gen)
+    x[0, :32] = 0.0  # an all-zero block: dx = 0
+    check(kernels.gemv(x, code, packed, rows), reference(x, fmt, blocks), x, blocks, fmt)
+    xb = x.bfloat16()
+    got = kernels.gemv(xb, code, packed, rows)
+    assert got.dtype == torch.bfloat16
+    check(got, reference(xb, fmt, blocks), xb, blocks, fmt)
+    bias = torch.randn(rows, generator=gen)
+    with_bias = kernels.gemv(x, code, packed, rows, bias)
+    check(with_bias, reference(x, fmt, blocks) + bias, x, blocks, fmt)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: FORMATS[f][0])
+def test_rows16_rows_read_back_as_the_file_layout(kernels: QuantKernels, fmt: int) -> None:
+    """Dequantized rows (the prefill GEMM's path) and embedding lookups of the repacked
+    matrix are bit for bit those of the file's blocks."""
+    gen = torch.Generator().manual_seed(fmt)
+    rows, k = 48, 96
+    blocks = random_blocks(fmt, rows, k, gen)
+    packed = kernels.repack_rows16(fmt, blocks, k)
+    code = fmt | FORMAT_ROWS16
+    want = kernels.dequantize_rows(fmt, blocks, k, 0, rows)
+    assert torch.equal(kernels.dequantize_rows(code, packed, k, 0, rows), want)
+    assert torch.equal(kernels.dequantize_rows(code, packed, k, 17, 40), want[17:40])
+    ids = torch.tensor([[0, 15, 16], [47, 31, 2]])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(
+            kernels.embedding(code, packed, k, ids, dtype),
+            kernels.embedding(fmt, blocks, k, ids, dtype),
+        )
+    # Prefill-sized batches dequantize slabs of the repacked rows for an exact GEMM.
+    x = torch.randn(80, k, generator=gen)
+    assert torch.equal(
+        kernels.linear(x, code | FORMAT_INT8_ACT, packed, rows),
+        kernels.linear(x, fmt, blocks, rows),
+    )
+
+
+def test_repack_refuses_a_partial_group(kernels: QuantKernels) -> None:
+    blocks = random_blocks(FORMAT_Q4_1, 40, 64, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        kernels.repack_rows16(FORMAT_Q4_1, blocks, 64)
+
+
+def test_engine_repacks_only_with_int8_activations(
+    tiny_models: object, tmp_path: Path, kernels: QuantKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The opt-in stores the 16-row layout (the embedding too) and stays as close to the exact
+    default as the file layout's int8 kernels; the default keeps the file's blocks."""
+    import gguf
+    from gguf_writer import write_tiny_gguf
+    from test_native_int8 import _prompt_logprobs
+
+    from tinyvllm import LLM
+
+    q = gguf.GGMLQuantizationType
+    path = write_tiny_gguf(
+        tiny_models["llama"],
+        tmp_path / "tiny.gguf",
+        qtype_for=lambda name, w: q.Q8_0 if name.startswith("token_embd") else q.Q4_1,
+    )
+    prompt = [(37 * i + 11) % 500 + 3 for i in range(24)]
+    got = {}
+    for layout in ("file, exact", "file, int8", "rows16, int8"):
+        int8 = layout.endswith("int8")
+        with monkeypatch.context() as patch:
+            if layout == "file, int8":
+                patch.setattr(QuantKernels, "rows16_supported", lambda self, fmt: False)
+            llm = LLM(str(path), dtype="float32", max_model_len=128, int8_activations=int8)
+        model = llm.engine.runner.model.model
+        for name, packed in (("mlp", model.layers[0].mlp.gate_up_proj.qweight.packed),
+                             ("embed", model.embed_tokens.qweight.packed)):  # fmt: skip
+            assert bool(packed.code & FORMAT_ROWS16) == layout.startswith("rows16")
+            dense = packed.dequantize(torch.float32)  # the same matrix in every layout
+            assert torch.equal(dense, got.setdefault(name, dense))
+        got[layout] = _prompt_logprobs(llm, prompt)
+    # Not the file layout's int8 values: a rounding of an activation to int8 flips with the
+    # last bit of its input, so fp32 sums in another order move later layers by as much as
+    # int8 does. Both stay as close to the exact default as test_native_int8 asks.
+    exact = got["file, exact"]
+    scale = sum(abs(v) for v in exact) / len(exact)
+    for layout in ("file, int8", "rows16, int8"):
+        diffs = [abs(a - b) for a, b in zip(exact, got[layout], strict=True)]
+        assert 0 < sum(diffs) / len(diffs) < 0.03 * scale, (layout, diffs, scale)
+        assert max(diffs) < 0.1 * scale, (layout, diffs, scale)

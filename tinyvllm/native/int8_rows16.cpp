@@ -1,0 +1,270 @@
+// Int8-activation GEMVs over GGUF Q4_0 / Q4_1 / Q8_0 matrices repacked 16 rows at a time
+// (opt-in `int8_activations`; not exact: the arithmetic of int8_kernels.cpp, the same integer
+// dot products per block, fp32 scaling in another order).
+//
+// Why a second layout: in the file's layout a row's blocks follow each other, so a GEMV ends
+// every block of every row with its own scale arithmetic and, per row, a horizontal sum: ~15
+// instructions per 64 weights, which holds single-stream decode near 16 GB/s per core while
+// the weights come from L3 at 40+. Here the blocks of 16 rows are interleaved so that one int32
+// lane is one output row: a vpdpbusd multiplies 4 weights of each of the 16 rows with the same
+// 4 activations (broadcast), a block's 8 of them add up in the integer domain, and the block's
+// scales are one vector for all 16 rows: ~30 instructions per 512 weights, no horizontal sums.
+//
+// Layout: rows [16 g, 16 g + 16) of an [N][K] matrix (N % 16 == 0) form group g; the group's
+// blocks b (32 columns each) follow each other, each stored as
+//  * Q4_0 / Q4_1: 4 vectors of 64 bytes, vector j's byte 4 r + i holding row r's weights
+//    8 j + i (low nibble) and 8 j + 4 + i (high nibble), i < 4; then the 16 rows' d (fp16),
+//    then Q4_1's 16 m (fp16): 288 / 320 bytes, as many as the 16 GGUF blocks;
+//  * Q8_0: 8 vectors, vector j's byte 4 r + i holding row r's weight 4 j + i plus 128 (an
+//    unsigned byte for vpdpbusd), then the 16 d (fp16): 544 bytes.
+// Per block, with s = sum_i q_i qx_i over the stored unsigned values q and S = sum_i qx_i:
+//   Q4_1: d dx s + m dx S;   Q4_0: d dx (s - 8 S);   Q8_0: d dx (s - 128 S)
+// (the offsets start the integer sum; int8_act.h rounds the activations).
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+// After the target pragma: its inline AVX-512 functions compile for that target.
+#include "int8_act.h"
+
+namespace tv {
+
+namespace {
+
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 4;
+constexpr int kGroup = 16;  // rows per group: one per int32 lane of a zmm
+
+int64_t gguf_block_bytes(int fmt) { return fmt == kQ4_1 ? 20 : fmt == kQ4_0 ? 18 : 34; }
+int64_t group_block_bytes(int fmt) { return kGroup * gguf_block_bytes(fmt); }
+
+// Where row r's weight k of a block lies in the group's block at base: (byte, shift).
+inline int64_t q4_byte(int r, int k) { return 64 * (k / 8) + 4 * r + (k % 4); }
+inline int q4_shift(int k) { return k % 8 < 4 ? 0 : 4; }
+inline int64_t q8_byte(int r, int k) { return 64 * (k / 4) + 4 * r + (k % 4); }
+
+// One GGUF block of row r (at blk) into the group's block at base.
+void pack_block(int fmt, const uint8_t* blk, int r, uint8_t* base) {
+  if (fmt == kQ8_0) {
+    for (int k = 0; k < 32; ++k) base[q8_byte(r, k)] = static_cast<uint8_t>(blk[2 + k] ^ 0x80);
+    memcpy(base + 512 + 2 * r, blk, 2);
+    return;
+  }
+  const uint8_t* qs = blk + (fmt == kQ4_1 ? 4 : 2);
+  for (int k = 0; k < 32; ++k) {
+    const int q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+    base[q4_byte(r, k)] |= static_cast<uint8_t>(q << q4_shift(k));
+  }
+  memcpy(base + 256 + 2 * r, blk, 2);
+  if (fmt == kQ4_1) memcpy(base + 288 + 2 * r, blk + 2, 2);
+}
+
+// The inverse: row r's GGUF block from the group's block at base.
+void unpack_block(int fmt, const uint8_t* base, int r, uint8_t* blk) {
+  if (fmt == kQ8_0) {
+    memcpy(blk, base + 512 + 2 * r, 2);
+    for (int k = 0; k < 32; ++k) blk[2 + k] = static_cast<uint8_t>(base[q8_byte(r, k)] ^ 0x80);
+    return;
+  }
+  memcpy(blk, base + 256 + 2 * r, 2);
+  if (fmt == kQ4_1) memcpy(blk + 2, base + 288 + 2 * r, 2);
+  uint8_t* qs = blk + (fmt == kQ4_1 ? 4 : 2);
+  for (int i = 0; i < 16; ++i) {
+    const int lo = base[q4_byte(r, i)] >> q4_shift(i) & 15;
+    const int hi = base[q4_byte(r, i + 16)] >> q4_shift(i + 16) & 15;
+    qs[i] = static_cast<uint8_t>(lo | hi << 4);
+  }
+}
+
+// Input rows rounded to int8: q [M][K] in order; per block dx, the integer sum's start s0 and
+// (Q4_1) m's factor sx = dx S, each [M][K / 32].
+struct ActRows {
+  int8_t* q;
+  float* dx;
+  float* sx;
+  int32_t* s0;
+  int64_t K, nb;
+};
+
+void quantize_rows(const void* x, int x_dt, int fmt, int M, ActRows& a) {
+  const int32_t offset = fmt == kQ4_0 ? -8 : fmt == kQ8_0 ? -128 : 0;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const int64_t i = m * a.nb + b;
+      int32_t sum;
+      int8_act_block(x, x_dt, m * a.K + 32 * b, a.q + m * a.K + 32 * b, a.dx + i, &sum);
+      a.s0[i] = offset * sum;
+      a.sx[i] = a.dx[i] * static_cast<float>(sum);
+    }
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The sums of block b of one group (16 rows, at p) for input rows m0 .. m0 + M into acc.
+template <int Fmt, int M>
+__attribute__((always_inline)) inline void group_block(const uint8_t* p, int64_t b,
+                                                       const ActRows& a, int64_t m0,
+                                                       __m512 (&acc)[M]) {
+  constexpr int kVecs = Fmt == kQ8_0 ? 8 : 4;
+  constexpr int64_t kScales = 64 * kVecs;
+  // ~3 blocks ahead: enough lines in flight for one core to stream from L3.
+  for (int64_t off = 0; off < kGroup * gguf_block_bytes(Fmt); off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + 1024 + off), _MM_HINT_T0);
+  __m512i w[8];
+  if (Fmt == kQ8_0) {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(p + 64 * j);
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * j);
+      w[2 * j] = _mm512_and_si512(v, m4);
+      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      p + kScales)));
+  __m512 mn = _mm512_setzero_ps();
+  if (Fmt == kQ4_1)
+    mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kScales + 32)));
+  for (int m = 0; m < M; ++m) {
+    const int64_t i = (m0 + m) * a.nb + b;
+    const int8_t* xq = a.q + (m0 + m) * a.K + 32 * b;
+    // Two chains halve the latency of the 8 dependent vpdpbusd.
+    __m512i s0 = Fmt == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(a.s0[i]);
+    __m512i s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+      // Q4: w[2 j'] holds weights 8 j' + [0, 4), w[2 j' + 1] 8 j' + [4, 8); Q8_0: 4 j + [0, 4).
+      s0 = _mm512_dpbusd_epi32(s0, w[j], bcast4(xq + 4 * j));
+      s1 = _mm512_dpbusd_epi32(s1, w[j + 1], bcast4(xq + 4 * j + 4));
+    }
+    const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[i]));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), dd, acc[m]);
+    if (Fmt == kQ4_1) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.sx[i]), acc[m]);
+  }
+}
+
+// Stores 16 sums (+ bias) at out[i .. i + 16) in dtype dt, rounding as common.h's `store`.
+inline void store16(void* out, int64_t i, __m512 v, const void* bias, int b_dt, int64_t n,
+                    int dt) {
+  if (bias) v = _mm512_add_ps(v, int8_act_load16(bias, b_dt, n));
+  if (dt == 0) return _mm512_storeu_ps(static_cast<float*>(out) + i, v);
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(64));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
+                      _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
+}
+
+// Groups [g0, g1) against input rows m0 .. m0 + M; out [.][N] in x_dt.
+template <int Fmt, int M>
+void groups_tile(const uint8_t* w, const ActRows& a, int64_t m0, int64_t g0, int64_t g1,
+                 const void* bias, int b_dt, void* out, int64_t N, int dt) {
+  constexpr int64_t kBlock = kGroup * (Fmt == kQ4_1 ? 20 : Fmt == kQ4_0 ? 18 : 34);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* base = w + g * a.nb * kBlock;
+    __m512 even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= a.nb; b += 2) {  // two accumulators: the fmadd chain is not the bound
+      group_block<Fmt, M>(base + b * kBlock, b, a, m0, even);
+      group_block<Fmt, M>(base + (b + 1) * kBlock, b + 1, a, m0, odd);
+    }
+    if (b < a.nb) group_block<Fmt, M>(base + b * kBlock, b, a, m0, even);
+    for (int m = 0; m < M; ++m)
+      store16(out, (m0 + m) * N + kGroup * g, _mm512_add_ps(even[m], odd[m]), bias, b_dt,
+              kGroup * g, dt);
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, const ActRows&, int64_t, int64_t, int64_t, const void*,
+                        int, void*, int64_t, int);
+
+template <int Fmt>
+TileFn tile_for(int M) {
+  switch (M) {
+    case 1: return groups_tile<Fmt, 1>;
+    case 2: return groups_tile<Fmt, 2>;
+    case 3: return groups_tile<Fmt, 3>;
+    default: return groups_tile<Fmt, 4>;
+  }
+}
+
+TileFn tile_fn(int fmt, int M) {
+  return fmt == kQ4_1 ? tile_for<kQ4_1>(M) : fmt == kQ4_0 ? tile_for<kQ4_0>(M)
+                                                          : tile_for<kQ8_0>(M);
+}
+
+}  // namespace
+
+void linear_rows16_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
+                        int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads) {
+  ActRows a{nullptr, nullptr, nullptr, nullptr, K, K / 32};
+  const int64_t scales = M * a.nb;
+  char* buf = static_cast<char*>(checked_aligned_alloc(M * K + 12 * scales));
+  a.q = reinterpret_cast<int8_t*>(buf);
+  a.dx = reinterpret_cast<float*>(buf + M * K);  // K % 32 == 0: 4-byte aligned
+  a.sx = a.dx + scales;
+  a.s0 = reinterpret_cast<int32_t*>(a.sx + scales);
+  quantize_rows(x, x_dt, fmt, M, a);
+  // Items of 2 groups (32 rows: the weight bytes stay in L1 while every tile of 4 input rows
+  // passes over them).
+  constexpr int64_t kGroupsPerItem = 2;
+  const int64_t groups = N / kGroup;
+  parallel_for((groups + kGroupsPerItem - 1) / kGroupsPerItem, nthreads, [&](int64_t item) {
+    const int64_t g0 = item * kGroupsPerItem;
+    const int64_t g1 = g0 + kGroupsPerItem < groups ? g0 + kGroupsPerItem : groups;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int tile = M - m0 < 4 ? static_cast<int>(M - m0) : 4;
+      tile_fn(fmt, tile)(w, a, m0, g0, g1, bias, b_dt, out, N, x_dt);
+    }
+  });
+  free(buf);
+}
+
+void rows16_gguf_row(const uint8_t* w, int fmt, int64_t K, int64_t r, uint8_t* row) {
+  const int64_t nb = K / 32, bb = gguf_block_bytes(fmt), gb = group_block_bytes(fmt);
+  const uint8_t* group = w + r / kGroup * nb * gb;
+  for (int64_t b = 0; b < nb; ++b)
+    unpack_block(fmt, group + b * gb, static_cast<int>(r % kGroup), row + b * bb);
+}
+
+}  // namespace tv
+
+#pragma GCC pop_options
+
+extern "C" {
+
+// 1 when a Q4_0 / Q4_1 / Q8_0 matrix (code fmt) can be repacked 16 rows at a time for the
+// int8-activation GEMVs on this CPU (AVX512-VNNI): the caller also needs N % 16 == 0.
+int tv_rows16_supported(int fmt) { return tv::int8_act_supported(fmt) ? 1 : 0; }
+
+// The GGUF block matrix src [N][K / 32 blocks] of format fmt (N % 16 == 0, K % 32 == 0) in
+// the 16-row layout at dst (as many bytes), for codes with kFmtRows16.
+void tv_repack_rows16(const void* src, int fmt, int64_t N, int64_t K, void* dst, int nthreads) {
+  const int64_t nb = K / 32, bb = tv::gguf_block_bytes(fmt), gb = tv::group_block_bytes(fmt);
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  tv::parallel_for(N / tv::kGroup, nthreads, [&](int64_t g) {
+    uint8_t* group = d + g * nb * gb;
+    memset(group, 0, nb * gb);
+    for (int r = 0; r < tv::kGroup; ++r) {
+      const uint8_t* row = s + (g * tv::kGroup + r) * nb * bb;
+      for (int64_t b = 0; b < nb; ++b) tv::pack_block(fmt, row + b * bb, r, group + b * gb);
+    }
+  });
+}
+
+}  // extern "C"
