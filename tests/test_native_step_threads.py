@@ -58,6 +58,58 @@ def test_batch_sizes_keep_their_own_estimates() -> None:
     assert choice.estimates[(16, False)] < choice.estimates[(16, True)]
 
 
+class Clock:
+    """Steps on a simulated clock: each takes its cost in ns."""
+
+    def __init__(self) -> None:
+        self.now = 1
+
+    def steps(self, choice: StepThreadChoice, cost: dict[int, float], count: int) -> list[int]:
+        """The threads of `count` one-token steps."""
+        seen = []
+        for _ in range(count):
+            threads = choice.choose(1, self.now)
+            self.now += int(cost[threads])
+            choice.record(1, cost[threads], self.now)
+            seen.append(threads)
+        return seen
+
+
+def test_the_workers_are_tried_again_after_an_idle_spell() -> None:
+    """A choice to run alone made while a competitor held a core is retried on the first
+    step after the engine was idle, and on a quiet machine the workers win at once (counted
+    in steps, the back-off kept a 32-step request alone throughout)."""
+    choice = StepThreadChoice(2, stale_trial_cost=0.03)
+    clock = Clock()
+    loaded, quiet = {2: 25e6, 1: 15e6}, {2: 9e6, 1: 15e6}
+    assert clock.steps(choice, loaded, 200)[-20:].count(1) >= 18
+    clock.now += 100_000_000  # idle: the competitor leaves meanwhile
+    assert clock.steps(choice, quiet, 32)[:2] == [2, 2]
+
+
+def test_age_trials_cost_at_most_their_share_under_a_steady_load() -> None:
+    choice = StepThreadChoice(2, stale_trial_cost=0.03)
+    clock = Clock()
+    loaded = {2: 25e6, 1: 15e6}
+    seen = clock.steps(choice, loaded, 2000)
+    extra = seen[100:].count(2) * (loaded[2] - loaded[1])
+    assert extra <= 0.04 * (clock.now - 100 * loaded[1]), seen.count(2)
+    # Without the age rule only the back-off interval tries the workers.
+    plain = StepThreadChoice(2)
+    assert 2000 - run_steps(plain, loaded, 2000) < seen.count(2) < 2000 * 0.1
+
+
+def test_age_trials_leave_a_quiet_machine_alone() -> None:
+    """While the workers win, steps alone are tried by the back-off interval only (a
+    competitor that arrives slows the workers' own steps; no trial needed to notice)."""
+    choice = StepThreadChoice(2, stale_trial_cost=0.03)
+    clock = Clock()
+    seen = clock.steps(choice, {2: 9e6, 1: 15e6}, 1000)
+    clock.now += 100_000_000
+    seen += clock.steps(choice, {2: 9e6, 1: 15e6}, 1000)
+    assert seen.count(1) <= 2000 / choice.max_interval + 8, seen.count(1)
+
+
 def test_one_thread_has_nothing_to_choose() -> None:
     choice = StepThreadChoice(1)
     assert run_steps(choice, {1: 1e6}, 10) == 10

@@ -15,7 +15,7 @@ import torch
 from tinyvllm.native.abi import DTYPE_CODES as _DTYPE_CODES
 from tinyvllm.native.abi import format_code as dtype_code
 from tinyvllm.native.build import load_library
-from tinyvllm.native.step_threads import StepThreadChoice
+from tinyvllm.native.step_threads import NATIVE_STALE_TRIAL_COST, StepThreadChoice
 from tinyvllm.utils.cpu import native_threads
 
 # Input rows up to which the native kernel beats torch: with bf16 weights up to 64 rows
@@ -61,7 +61,7 @@ class NativeCpuOps:
     def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
         self.lib = lib
         self.num_threads = num_threads
-        self.step_threads = StepThreadChoice(num_threads)
+        self.step_threads = StepThreadChoice(num_threads, stale_trial_cost=NATIVE_STALE_TRIAL_COST)
         # Whether the AVX-512 row kernels (any number of rows) run on this CPU.
         self.row_kernels = bool(lib.tv_rows_supported())
         # Whether bf16 linears of 2+ rows run on AMX tiles (amx_linear.cpp).
