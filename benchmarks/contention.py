@@ -3,8 +3,9 @@
 Single-stream (1 x 32 -> N) and batch-16 (16 x 32 -> N) greedy decode on the random
 SmolLM2-135M-shaped model of `throughput.py`, quiet and then with 1 and 2 competing CPU-bound
 processes (busy loops this script starts and kills), for tinyvllm through `LLM.generate` and
-through `AsyncLLM.generate` (same process, one engine each), and for llama.cpp when `llama_cpp` is
-importable and `--gguf` names the checkpoint's GGUF. Rounds interleave every (engine, load)
+through `AsyncLLM.generate` (one engine each, each in a process of its own, as applications run
+them), and for llama.cpp when `llama_cpp` is importable and `--gguf` names the checkpoint's
+GGUF. Rounds interleave every (engine, load)
 cell so drift on a shared box hits all alike; a cell reports its best round and the ratio to
 the same engine's quiet best. Usage: see benchmarks/README.md.
 """
@@ -93,10 +94,17 @@ def generate_runner(llm: Any, params: Callable[[Workload], list[Any]]) -> Callab
     return run_generate
 
 
-def tinyvllm_runners(
-    model_dir: Path, engine_kwargs: dict[str, Any], modes: Sequence[str]
-) -> dict[str, Callable[[Workload], float]]:
-    """name -> run(workload) returning wall seconds, one engine per mode."""
+MODE_NAMES = {
+    "generate": "tinyvllm LLM.generate",
+    "async": "tinyvllm AsyncLLM",
+    "pool-switch": "tinyvllm LLM.generate, pool switch only",
+}
+
+
+def tinyvllm_runner(
+    model_dir: Path, engine_kwargs: dict[str, Any], mode: str
+) -> Callable[[Workload], float]:
+    """run(workload) -> wall seconds on a new engine of front end `mode` (MODE_NAMES)."""
     if importlib.util.find_spec("tinyvllm") is None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tinyvllm import LLM, SamplingParams
@@ -107,48 +115,83 @@ def tinyvllm_runners(
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens
         ]
 
-    runners: dict[str, Callable[[Workload], float]] = {}
-    if "pool-switch" in modes:
+    if mode == "pool-switch":
         # The previous release's policy: no step's thread count is chosen by measuring both
         # modes; the native pool alone switches to the caller when its workers stall.
         plain = LLM(model=str(model_dir), **engine_kwargs)
         platform = plain.engine.runner.platform
         platform.start_step = lambda tokens, native: None
         platform.finish_step = lambda: None
-        runners["tinyvllm LLM.generate, pool switch only"] = generate_runner(plain, params)
-    if "generate" in modes:
-        runners["tinyvllm LLM.generate"] = generate_runner(
-            LLM(model=str(model_dir), **engine_kwargs), params
-        )
+        return generate_runner(plain, params)
+    if mode == "generate":
+        return generate_runner(LLM(model=str(model_dir), **engine_kwargs), params)
+    allm = AsyncLLM(str(model_dir), **engine_kwargs)
 
-    if "async" in modes:
-        allm = AsyncLLM(str(model_dir), **engine_kwargs)
+    async def last_length(prompt: list[int], sp: Any) -> int:
+        last = None
+        async for out in allm.generate({"prompt_token_ids": prompt}, sp):
+            last = out
+        assert last is not None
+        return len(last.outputs[0].token_ids)  # cumulative
 
-        async def last_length(prompt: list[int], sp: Any) -> int:
-            last = None
-            async for out in allm.generate({"prompt_token_ids": prompt}, sp):
-                last = out
-            assert last is not None
-            return len(last.outputs[0].token_ids)  # cumulative
+    async def submit_all(wl: Workload) -> list[int]:
+        # AsyncLLM's own API, as a server drives it: every request is posted before the
+        # engine's next step. (The blocking `stream()` waits for the engine to accept each
+        # request, up to one step, so N of them submitted from one thread arrive over N
+        # steps and batch 16 runs at ~0.7x.)
+        pairs = zip(wl.prompts, params(wl), strict=True)
+        return list(await asyncio.gather(*(last_length(p, sp) for p, sp in pairs)))
 
-        async def submit_all(wl: Workload) -> list[int]:
-            # AsyncLLM's own API, as a server drives it: every request is posted before the
-            # engine's next step. (The blocking `stream()` waits for the engine to accept each
-            # request, up to one step, so N of them submitted from one thread arrive over N
-            # steps and batch 16 runs at ~0.7x.)
-            pairs = zip(wl.prompts, params(wl), strict=True)
-            return list(await asyncio.gather(*(last_length(p, sp) for p, sp in pairs)))
+    def run_async(wl: Workload) -> float:
+        start = time.perf_counter()
+        got = asyncio.run(submit_all(wl))
+        wall = time.perf_counter() - start
+        if got != wl.max_tokens:
+            raise RuntimeError(f"AsyncLLM {wl.key}: output lengths {got}")
+        return wall
 
-        def run_async(wl: Workload) -> float:
-            start = time.perf_counter()
-            got = asyncio.run(submit_all(wl))
-            wall = time.perf_counter() - start
-            if got != wl.max_tokens:
-                raise RuntimeError(f"AsyncLLM {wl.key}: output lengths {got}")
-            return wall
+    return run_async
 
-        runners["tinyvllm AsyncLLM"] = run_async
-    return runners
+
+class Worker:
+    """One tinyvllm front end in a process of its own, as an application runs one engine:
+    engines in one process share the native thread pool and torch's threads, and a second
+    engine's thread (AsyncLLM's) competes with the first for the GIL and the cores. Runs a
+    workload per request over a pipe (this script with `--worker MODE`)."""
+
+    def __init__(self, mode: str, argv: Sequence[str]) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", mode]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._reply()  # the engine is built
+
+    def _reply(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker exited with {self.proc.wait()} (its error above)")
+        return json.loads(line)
+
+    def __call__(self, wl: Workload) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(wl.key + "\n")
+        self.proc.stdin.flush()
+        return float(self._reply())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+def serve_worker(mode: str, model_dir: Path, workloads: list[Workload],
+                 engine_kwargs: dict[str, Any]) -> int:  # fmt: skip
+    """The `--worker` side: one JSON line when ready, then one per workload key read."""
+    run = tinyvllm_runner(model_dir, engine_kwargs, mode)
+    by_key = {wl.key: wl for wl in workloads}
+    print(json.dumps(True), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run(by_key[line.strip()])), flush=True)
+    return 0
 
 
 def llama_cpp_runner(gguf: Path, threads: int) -> Callable[[Workload], float]:
@@ -235,8 +278,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default="generate,async",
-        help="tinyvllm front ends: generate, async, pool-switch (LLM.generate without the "
-        "per-step thread choice), or none",
+        help="tinyvllm front ends, each in a process of its own: generate, async, pool-switch "
+        "(LLM.generate without the per-step thread choice), or none",
     )
     p.add_argument("--gguf", type=Path, default=None, help="GGUF of the checkpoint for llama.cpp")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: cores)")
@@ -247,6 +290,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--worker", choices=sorted(MODE_NAMES), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.load_counts = [int(x) for x in args.loads.split(",")]
     if not args.load_counts or args.load_counts[0] != 0 or min(args.load_counts) < 0:
@@ -272,8 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_model_len": MAX_MODEL_LEN,
         "seed": args.seed,
     }
+    if args.worker:
+        return serve_worker(args.worker, args.model_dir, workloads, engine_kwargs)
     modes = [m for m in args.modes.split(",") if m and m != "none"]
-    runners = tinyvllm_runners(args.model_dir, engine_kwargs, modes)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    workers = {MODE_NAMES[mode]: Worker(mode, argv) for mode in modes}
+    runners: dict[str, Callable[[Workload], float]] = dict(workers)
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp: skipped (llama_cpp is not installed)")
     elif args.gguf is None:
@@ -286,7 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for wl in workloads:
             if (name, wl.key) not in skip:
                 run(wl)
-    cells, loadavgs = measure(runners, workloads, args.load_counts, args.rounds, skip)
+    try:
+        cells, loadavgs = measure(runners, workloads, args.load_counts, args.rounds, skip)
+    finally:
+        for worker in workers.values():
+            worker.close()
     print()
     print(render(cells, list(runners), workloads, args.load_counts))
     print(

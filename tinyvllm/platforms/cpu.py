@@ -21,7 +21,7 @@ from tinyvllm.models.layers.linear import (
 )
 from tinyvllm.native.decode_route import PROGRAM, DecodeRoute
 from tinyvllm.native.llama_decode import LlamaDecodeProgram
-from tinyvllm.native.omp_team import torch_omp_parallel
+from tinyvllm.native.omp_team import release_thread_team, torch_omp_parallel
 from tinyvllm.native.ops import NativeCpuOps, attach_native_ops
 from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
@@ -105,6 +105,11 @@ class CpuPlatform(Platform):
     def routes_to_program(self, num_tokens: int) -> bool:
         route = self.decode_route
         return route is None or route.takes_program(num_tokens)
+
+    def hand_over_steps(self) -> None:
+        # The builder's idle OpenMP workers would make torch's workers in the stepping thread
+        # sleep between ops (omp_team.release_thread_team).
+        release_thread_team()
 
     @contextlib.contextmanager
     def steps_in_a_row(self) -> Iterator[None]:

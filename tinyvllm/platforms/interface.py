@@ -62,6 +62,11 @@ class Platform:
     def finish_step(self) -> None:
         """Called after the step `start_step` began, also when it raised."""
 
+    def hand_over_steps(self) -> None:
+        """Called in the thread that built the engine when another thread is to run its
+        steps (AsyncLLM's engine thread): frees what the builder's thread holds for steps of
+        its own (on CPU, torch's idle OpenMP workers)."""
+
     def steps_in_a_row(self) -> AbstractContextManager[None]:
         """Wraps steps run back to back (LLM.generate's loop): state a step sets for itself
         (torch's thread count on CPU) may stay between them, restored when the block ends."""

@@ -1,0 +1,151 @@
+"""What the engine thread of AsyncLLM needs to step as fast as LLM.generate in the caller's
+thread: torch's OpenMP workers of the thread that built the engine are released (else libgomp
+counts them against the cores and every team's workers sleep between ops), torch's thread
+count is held across the steps as LLM.generate holds it, and a burst of submissions after an
+idle spell is taken into the first step."""
+
+from __future__ import annotations
+
+import glob
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.engine.async_llm import AsyncLLM
+from tinyvllm.engine.engine_loop import SETTLE_GAP_S, EngineLoop
+from tinyvllm.native.omp_team import release_thread_team
+
+TIMEOUT = 60.0
+
+
+def _voluntary_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        line = next(line for line in f if line.startswith("voluntary_ctxt_switches"))
+    return int(line.split()[1])
+
+
+def _switches_per_op_in_a_new_thread() -> float:
+    """Voluntary context switches of a new thread per parallel torch op it runs."""
+    x = torch.randn(64, 1024)
+    result: list[float] = []
+
+    def work() -> None:
+        for _ in range(20):
+            torch.nn.functional.silu(x)
+        tid = threading.get_native_id()
+        before = _voluntary_switches(tid)
+        for _ in range(400):
+            torch.nn.functional.silu(x)
+        result.append((_voluntary_switches(tid) - before) / 400)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(TIMEOUT)
+    return result[0]
+
+
+@pytest.mark.skipif(
+    not glob.glob("/proc/self/task/*/status") or torch.get_num_threads() < 2,
+    reason="needs Linux /proc and two torch threads",
+)
+def test_releasing_the_builders_team_lets_another_threads_workers_spin() -> None:
+    if release_thread_team() is False:
+        pytest.skip("torch's OpenMP runtime has no omp_pause_resource_all here")
+    x = torch.randn(64, 1024)
+    torch.nn.functional.silu(x)  # this thread's team again, as after building an engine
+    throttled = _switches_per_op_in_a_new_thread()
+    if throttled < 0.5 and (os.cpu_count() or 1) > 2:
+        pytest.skip("enough cores that libgomp never stops spinning here")
+    assert throttled >= 0.5, throttled  # a futex sleep per op: the workers do not spin
+    assert release_thread_team()
+    assert _switches_per_op_in_a_new_thread() < 0.1
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
+
+
+def test_async_engine_takes_the_steps_over_from_the_builder(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tinyvllm.platforms.cpu import CpuPlatform
+
+    handed: list[int] = []
+    monkeypatch.setattr(
+        CpuPlatform, "hand_over_steps", lambda self: handed.append(threading.get_ident())
+    )
+    llm = AsyncLLM(str(tiny_llama), dtype="float32", max_model_len=64)
+    try:
+        assert handed == [threading.get_ident()]  # the builder's thread, before any step
+        platform = llm.engine.runner.platform
+        # The engine thread holds its steps in a row: torch's thread count stays set between
+        # steps instead of going back and forth each step.
+        held = llm._call(lambda engine: platform._threads_before_steps).result(TIMEOUT)
+        assert held > 0
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        outs = list(llm.stream({"prompt_token_ids": [5, 6, 7]}, sp, timeout=TIMEOUT))
+        assert len(outs[-1].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown(timeout=TIMEOUT)
+    assert platform._threads_before_steps == 0  # restored when the thread ends
+
+
+def test_settle_takes_the_commands_of_a_burst_only() -> None:
+    loop = EngineLoop.__new__(EngineLoop)  # only the command queue is needed
+    loop._commands = queue.SimpleQueue()
+    for i in range(3):
+        loop._commands.put(i)
+    late = threading.Timer(0.2, loop._commands.put, args=(99,))
+    late.start()
+    start = time.monotonic()
+    assert loop._settle() == [0, 1, 2]
+    assert time.monotonic() - start < 0.1 + SETTLE_GAP_S
+    late.join()
+    assert loop._commands.get_nowait() == 99  # after the gap: left for the next step
+
+
+def test_a_gathered_burst_runs_as_one_batch(tiny_llama: Path) -> None:
+    """Requests gathered from one event loop join the first step together (greedy tokens
+    equal LLM.generate's either way)."""
+    import asyncio
+
+    ref = LLM(str(tiny_llama), dtype="float32", max_model_len=64)
+    prompts = [[3 + i, 40 + i, 7] for i in range(6)]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ref.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]  # fmt: skip
+    llm = AsyncLLM(ref.engine)
+    steps: list[int] = []
+    engine = ref.engine
+    step = engine.step
+
+    def counted_step() -> list:
+        out = step()
+        steps.append(len(out))
+        return out
+
+    engine.step = counted_step
+    try:
+
+        async def one(p: list[int]) -> list[int]:
+            last = None
+            async for out in llm.generate({"prompt_token_ids": p}, sp):
+                last = out
+            assert last is not None
+            return list(last.outputs[0].token_ids)
+
+        async def burst() -> list[list[int]]:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+        assert asyncio.run(asyncio.wait_for(burst(), TIMEOUT)) == want
+    finally:
+        llm.shutdown(timeout=TIMEOUT)
+        del engine.step
+    assert steps[0] == len(prompts), steps
