@@ -186,6 +186,8 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         # int8_rows16.cpp
         "tv_rows16_supported": (c_int, (_I,)),
         "tv_repack_rows16": (None, (_P, _I, _L, _L, _P, _I)),
+        # bf16_rows16.cpp
+        "tv_rows16_exact_supported": (c_int, (_I,)),
         # amx_linear.cpp
         "tv_amx_supported": (c_int, ()),
         # prefill_attn_amx.cpp

@@ -65,14 +65,18 @@ bool int8_act_supported(int fmt);
 // Same contract as tv_linear_blocks for a format int8_act_supported() accepts.
 void linear_blocks_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
                         int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
-// A Q4_0 / Q4_1 / Q8_0 code with this bit set (always with kFmtInt8Act) names a matrix
-// repacked 16 rows at a time (int8_rows16.cpp, tv_repack_rows16): its GEMVs run
-// linear_rows16_int8 (same contract as tv_linear_blocks), its rows dequantize through
-// rows16_gguf_row (row r's GGUF blocks, K / 32 of them, into row).
+// A Q4_0 / Q4_1 / Q8_0 code with this bit set names a matrix repacked 16 rows at a time
+// (int8_rows16.cpp, tv_repack_rows16): its GEMVs with kFmtInt8Act run linear_rows16_int8
+// (same contract as tv_linear_blocks), its rows dequantize through rows16_gguf_row (row r's
+// GGUF blocks, K / 32 of them, into row).
 constexpr int kFmtRows16 = 0x200;
 void linear_rows16_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
                         int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
 void rows16_gguf_row(const uint8_t* w, int fmt, int64_t K, int64_t r, uint8_t* row);
+// Without kFmtInt8Act, a Q4_0 / Q4_1 matrix in the layout against bf16 activations runs the
+// exact kernel of bf16_rows16.cpp (AVX512-BF16; out bf16 [M][N]).
+void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void* bias, int b_dt,
+                        uint16_t* out, int M, int64_t N, int64_t K, int nthreads);
 
 template <class F>
 void parallel_for(int64_t n, int nthreads, F&& f) {
@@ -156,6 +160,8 @@ void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bia
                void* out, int M, int64_t N, int64_t K, int nthreads);
 void tv_linear_any(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
                    int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
+void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
+                      int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
 void tv_embedding_any(const void* w, int w_fmt, const int64_t* ids, int64_t T, int64_t K,
                       void* out, int out_dt);
 void tv_rms_norm(const void* x, void* residual, const void* weight, void* out, int dt,

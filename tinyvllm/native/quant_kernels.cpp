@@ -416,6 +416,27 @@ void linear_q4_1_bf16(const uint16_t* x, const uint8_t* w, const void* bias, int
   free(buf);
 }
 
+// A matrix in the 16-row layout (made only where its kernels run: tv_rows16_supported):
+// int8 activations, or bf16 ones on the exact kernel; other activations (fp32, which the
+// engine never pairs with the layout) on the file layout, rebuilt for the call.
+void linear_rows16(const void* x, int x_dt, const void* w, int w_fmt, const void* bias, int b_dt,
+                   void* out, int M, int64_t N, int64_t K, int nthreads) {
+  const uint8_t* wb = static_cast<const uint8_t*>(w);
+  const int fmt = w_fmt & ~(kFmtRows16 | kFmtInt8Act);
+  if (w_fmt & kFmtInt8Act)
+    return linear_rows16_int8(x, x_dt, wb, fmt, bias, b_dt, out, M, N, K, nthreads);
+  if (x_dt == 1)
+    return linear_rows16_bf16(static_cast<const uint16_t*>(x), wb, fmt, bias, b_dt,
+                              static_cast<uint16_t*>(out), M, N, K, nthreads);
+  int64_t elems, bytes;
+  block_layout(fmt, &elems, &bytes);
+  const int64_t row_bytes = K / elems * bytes;
+  uint8_t* rows = static_cast<uint8_t*>(checked_malloc(N * row_bytes));
+  for (int64_t r = 0; r < N; ++r) rows16_gguf_row(wb, fmt, K, r, rows + r * row_bytes);
+  tv_linear_blocks(x, x_dt, rows, fmt, bias, b_dt, out, M, N, K, nthreads);
+  free(rows);
+}
+
 }  // namespace
 
 extern "C" {
@@ -426,10 +447,8 @@ extern "C" {
 // where this CPU and format have them (int8_kernels.cpp; not exact), else runs this one.
 void tv_linear_blocks(const void* x, int x_dt, const void* w, int w_fmt, const void* bias,
                       int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads) {
-  if (w_fmt & kFmtRows16)  // only made where the int8 kernels run (tv_rows16_supported)
-    return linear_rows16_int8(x, x_dt, static_cast<const uint8_t*>(w),
-                              w_fmt & ~(kFmtRows16 | kFmtInt8Act), bias, b_dt, out, M, N, K,
-                              nthreads);
+  if (w_fmt & kFmtRows16) return linear_rows16(x, x_dt, w, w_fmt, bias, b_dt, out, M, N, K,
+                                               nthreads);
   if (w_fmt & kFmtInt8Act) {
     w_fmt &= ~kFmtInt8Act;
     if (int8_act_supported(w_fmt))

@@ -97,6 +97,11 @@ class QuantKernels:
         int8-activation GEMVs here (`repack_rows16`; its rows must be a multiple of 16)."""
         return bool(self.lib.tv_rows16_supported(fmt & ~FORMAT_INT8_ACT))
 
+    def rows16_exact_supported(self, fmt: int) -> bool:
+        """Whether the exact GEMV takes a Q4_0 / Q4_1 matrix in the 16-row layout against
+        bf16 activations here (bf16_rows16.cpp; AVX512-BF16)."""
+        return bool(self.lib.tv_rows16_exact_supported(fmt & ~FORMAT_INT8_ACT))
+
     def repack_rows16(self, fmt: int, weight: torch.Tensor, in_features: int) -> torch.Tensor:
         """The block matrix `weight` [N, bytes per row] in the 16-row layout the code
         `fmt | FORMAT_ROWS16` names (same shape and bytes, rows interleaved; int8_rows16.cpp)."""

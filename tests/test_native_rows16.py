@@ -1,7 +1,8 @@
-"""The int8-activation GEMVs over matrices repacked 16 rows at a time
-(tinyvllm/native/int8_rows16.cpp) against the torch reference of their arithmetic
-(test_native_int8.py), and the layout's other readers: dequantized rows and embedding lookups
-give the file layout's bits, and the engine repacks only with the opt-in."""
+"""GGUF matrices repacked 16 rows at a time (tinyvllm/native/int8_rows16.cpp): the
+int8-activation GEMVs against the torch reference of their arithmetic (test_native_int8.py),
+the exact bf16 GEMV (bf16_rows16.cpp) against fp32 products and the file layout's kernel,
+and the layout's other readers: dequantized rows and embedding lookups give the file
+layout's bits. The engine repacks where a GEMV reads the layout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 import torch
 from test_native_int8 import FORMATS, check, random_blocks, reference
 
-from tinyvllm.native.abi import FORMAT_INT8_ACT, FORMAT_Q4_1, FORMAT_ROWS16
+from tinyvllm.native.abi import (
+    FORMAT_INT8_ACT,
+    FORMAT_Q4_0,
+    FORMAT_Q4_1,
+    FORMAT_Q8_0,
+    FORMAT_ROWS16,
+)
 from tinyvllm.native.build import load_library, unsupported_reason
 from tinyvllm.native.quant_ops import QuantKernels
 
@@ -79,6 +86,40 @@ def test_rows16_rows_read_back_as_the_file_layout(kernels: QuantKernels, fmt: in
     )
 
 
+@pytest.mark.parametrize("fmt", [FORMAT_Q4_0, FORMAT_Q4_1], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_exact_rows16_gemv_is_the_file_kernels_arithmetic(
+    kernels: QuantKernels, fmt: int, k: int
+) -> None:
+    """bf16 activations: every product exact, fp32 sums (within their rounding of the
+    dequantized fp32 product), each row's bits independent of the batch around it, and the
+    file layout's kernel's bits on nearly every output (only the summation order differs)."""
+    if not kernels.rows16_exact_supported(fmt):
+        pytest.skip("no AVX512-BF16 here")
+    gen = torch.Generator().manual_seed(fmt * 100 + k)
+    rows = 80
+    blocks = random_blocks(fmt, rows, k, gen)
+    packed = kernels.repack_rows16(fmt, blocks, k)
+    dense = kernels.dequantize_rows(fmt, blocks, k, 0, rows)
+    bias = torch.randn(rows, generator=gen).bfloat16()
+    x = torch.randn(64, k, generator=gen).bfloat16()
+    alone = torch.cat([kernels.gemv(x[i : i + 1], fmt | FORMAT_ROWS16, packed, rows, bias)
+                       for i in range(len(x))])  # fmt: skip
+    for m in (1, 2, 3, 4, 5, 9, 13, 64):
+        got = kernels.gemv(x[:m], fmt | FORMAT_ROWS16, packed, rows, bias)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, alone[:m]), m
+        want = torch.nn.functional.linear(x[:m].float(), dense, bias.float())
+        bound = 1e-5 * (x[:m].float().abs() @ dense.abs().t()) + 1e-6 + want.abs() * 2.0**-8
+        assert ((got.float() - want).abs() - bound).max() <= 0, m
+    same = torch.eq(alone, kernels.gemv(x, fmt, blocks, rows, bias)).float().mean()
+    assert same > 0.95, same
+    # fp32 activations (the engine never pairs them with the layout): the file's kernel.
+    xf = torch.randn(3, k, generator=gen)
+    assert torch.equal(kernels.gemv(xf, fmt | FORMAT_ROWS16, packed, rows),
+                       kernels.gemv(xf, fmt, blocks, rows))  # fmt: skip
+
+
 def test_repack_refuses_a_partial_group(kernels: QuantKernels) -> None:
     blocks = random_blocks(FORMAT_Q4_1, 40, 64, torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="multiple of 16 rows"):
@@ -126,3 +167,43 @@ def test_engine_repacks_only_with_int8_activations(
         diffs = [abs(a - b) for a, b in zip(exact, got[layout], strict=True)]
         assert 0 < sum(diffs) / len(diffs) < 0.03 * scale, (layout, diffs, scale)
         assert max(diffs) < 0.1 * scale, (layout, diffs, scale)
+
+
+def test_engine_repacks_for_the_exact_gemv_in_bf16_only(
+    tiny_models: object, tmp_path: Path, kernels: QuantKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default (exact) path stores Q4_1 layers in the 16-row layout for a bf16 model,
+    keeps Q8_0 (no exact kernel reads it) and fp32 models' weights in the file's layout, and
+    computes what the file layout computes up to summation order."""
+    import gguf
+    from gguf_writer import write_tiny_gguf
+    from test_native_int8 import _prompt_logprobs
+
+    from tinyvllm import LLM
+
+    if not kernels.rows16_exact_supported(FORMAT_Q4_1):
+        pytest.skip("no AVX512-BF16 here")
+    q = gguf.GGMLQuantizationType
+    path = write_tiny_gguf(
+        tiny_models["llama"],
+        tmp_path / "tiny.gguf",
+        qtype_for=lambda name, w: q.Q8_0 if name.startswith("token_embd") else q.Q4_1,
+    )
+    prompt = [(37 * i + 11) % 500 + 3 for i in range(24)]
+    got = {}
+    for dtype, rows16 in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        with monkeypatch.context() as patch:
+            if not rows16:
+                patch.setattr(QuantKernels, "rows16_exact_supported", lambda self, fmt: False)
+            llm = LLM(str(path), dtype=dtype, max_model_len=128)
+        model = llm.engine.runner.model.model
+        layer = model.layers[0].mlp.gate_up_proj.qweight.packed
+        assert bool(layer.code & FORMAT_ROWS16) == rows16
+        assert model.embed_tokens.qweight.packed.code == FORMAT_Q8_0
+        got[dtype, rows16] = _prompt_logprobs(llm, prompt)
+    diffs = [abs(a - b) for a, b in zip(got["bfloat16", True], got["bfloat16", False], strict=True)]
+    # bf16 activations round after every layer, so another summation order moves a logprob
+    # by about what bf16 itself moves it from fp32.
+    bf16_vs_fp32 = [abs(a - b) for a, b in
+                    zip(got["bfloat16", False], got["float32", False], strict=True)]  # fmt: skip
+    assert sum(diffs) <= 2 * sum(bf16_vs_fp32) + 1e-3, (diffs, bf16_vs_fp32)
