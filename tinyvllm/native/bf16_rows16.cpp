@@ -77,8 +77,7 @@ void groups_tile(const uint8_t* w, const uint16_t* x16, const float* xs, int64_t
     for (int m = 0; m < M; ++m) acc[m] = lin[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = base + b * kBlock;
-      for (int64_t off = 0; off < kBlock; off += 64)  // ~3 blocks ahead, as the int8 kernel
-        _mm_prefetch(reinterpret_cast<const char*>(p + 1024 + off), _MM_HINT_T0);
+      rows16_prefetch(p, kBlock);
       __m512 t0[M], t1[M];  // two chains of the block's products per input row
       for (int m = 0; m < M; ++m) t0[m] = t1[m] = _mm512_setzero_ps();
       for (int j = 0; j < 4; ++j) {

@@ -73,6 +73,16 @@ constexpr int kFmtRows16 = 0x200;
 void linear_rows16_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
                         int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
 void rows16_gguf_row(const uint8_t* w, int fmt, int64_t K, int64_t r, uint8_t* row);
+// The bytes of the layout's blocks to come, before reading `bytes` at p: 8 KiB ahead into L2
+// and 1 KiB ahead into L1. The far prefetches keep enough lines in flight for a core to
+// stream the weights from L3 or DRAM: without them the real SmolLM2 Q4_1 decoded 215-220
+// tok/s with int8 activations, with them 310-330 (1 KiB alone).
+inline void rows16_prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) {  // prefetches never fault
+    _mm_prefetch(reinterpret_cast<const char*>(p + 1024 + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 8192 + off), _MM_HINT_T1);
+  }
+}
 // Without kFmtInt8Act, a Q4_0 / Q4_1 matrix in the layout against bf16 activations runs the
 // exact kernel of bf16_rows16.cpp (AVX512-BF16; out bf16 [M][N]).
 void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void* bias, int b_dt,

@@ -116,9 +116,7 @@ __attribute__((always_inline)) inline void group_block(const uint8_t* p, int64_t
                                                        __m512 (&acc)[M]) {
   constexpr int kVecs = Fmt == kQ8_0 ? 8 : 4;
   constexpr int64_t kScales = 64 * kVecs;
-  // ~3 blocks ahead: enough lines in flight for one core to stream from L3.
-  for (int64_t off = 0; off < kGroup * gguf_block_bytes(Fmt); off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + 1024 + off), _MM_HINT_T0);
+  rows16_prefetch(p, kGroup * gguf_block_bytes(Fmt));
   __m512i w[8];
   if (Fmt == kQ8_0) {
     for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(p + 64 * j);
