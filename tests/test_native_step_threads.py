@@ -243,3 +243,19 @@ def test_a_slow_first_step_does_not_pin_a_bucket() -> None:
         warm_up = threads == 2 and together == 1
         choice.record(16, 16 * (50e3 if warm_up else 3e3 if threads == 2 else 4e3))
     assert together >= 95, together
+
+
+def test_empty_steps_teach_no_choice() -> None:
+    """AsyncLLM's flush after a finished request is an empty step: timing it taught the
+    decode choice a bucket of noise that set which way the next prefill ran."""
+    from tinyvllm.platforms.cpu import CpuPlatform
+
+    native = NativeCpuOps.load()
+    if native is None:
+        pytest.skip("needs the native library")
+    platform = CpuPlatform(torch.device("cpu"), torch.float32, native)
+    for native_step in (True, False, True):
+        platform.start_step(0, native_step)
+        platform.finish_step()
+    assert native.step_threads.estimates == {}
+    assert platform.torch_threads.estimates == {}

@@ -74,7 +74,7 @@ class MeasuredChoice:
     # never reaches (a quiet 32-token run after a loaded one stayed alone: 64 tok/s vs 106).
     stale_trial_cost: float | None = None
     # With `stale_trial_cost`: a gap of this many ns between steps marks the engine as idle
-    # meanwhile, after which each bucket tries the first way on its next step (as long an
+    # meanwhile, after which each bucket tries the first way on its next step (a long
     # idle spell is the likeliest time for the load to have changed).
     idle_gap_ns: int = 50_000_000
     # (token bucket, second) -> running estimate of a step's nanoseconds per token.

@@ -138,6 +138,15 @@ class CpuPlatform(Platform):
         self._step_tokens = num_tokens
         self._step_native = native and native_ops is not None
         self._step_gemms = self._step_chooses_threads = False
+        if num_tokens == 0:
+            # An empty step (AsyncLLM's flush after a request finished): nothing to choose a
+            # thread count for, and its time would teach the choices noise (the decode
+            # choice's bucket 0 set which way the next prefill ran: with a competitor,
+            # batch-16 rounds of AsyncLLM fell to 158-192 tok/s against ~600).
+            self._step_native = False
+            self._step_restore_threads = 0
+            self._step_start = time.perf_counter_ns()
+            return
         if self._step_native:
             assert native_ops is not None
             # The native kernels run this step on their own threads (all, or the caller
