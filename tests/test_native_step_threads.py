@@ -259,3 +259,32 @@ def test_empty_steps_teach_no_choice() -> None:
         platform.finish_step()
     assert native.step_threads.estimates == {}
     assert platform.torch_threads.estimates == {}
+
+
+def test_a_long_step_after_idle_counts_what_others_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first prefill after an idle spell: the decode steps' choice is stale, so the clock
+    ticks other programs used meanwhile decide (with a core taken, torch's two spinning threads
+    ran a 16 x 32-token prefill 10x slower than one)."""
+    import tinyvllm.platforms.cpu as cpu
+    from tinyvllm.platforms.cpu import CpuPlatform
+
+    native = NativeCpuOps.load()
+    if native is None or torch.get_num_threads() < 2:
+        pytest.skip("needs the native library and two torch threads")
+    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 2)
+    platform = CpuPlatform(torch.device("cpu"), torch.float32, native)
+    full = platform.torch_threads.threads
+    native.step_threads.prefers_alone = False
+    ticks = {"now": (1000, 2000)}
+    monkeypatch.setattr(cpu, "cpu_time_jiffies", lambda: ticks["now"])
+    platform.start_step(1, True)
+    platform.finish_step()  # marks (1000, 2000)
+    assert platform._torch_step_threads(2048) == full  # no idle spell yet: the steps' choice
+    platform._finish_ns -= 2 * cpu.IDLE_PROBE_NS
+    ticks["now"] = (1000 + 38, 2000 + 40)  # 2 CPUs, 20 ticks each: 1.9 CPUs idle
+    assert platform._torch_step_threads(2048) == full
+    ticks["now"] = (1000 + 20, 2000 + 40)  # one CPU busy all along
+    assert platform._torch_step_threads(2048) == 1
+    ticks["now"] = (1000 + 2, 2000 + 4)  # too few ticks to tell: the steps' choice
+    assert platform._torch_step_threads(2048) == full
+    native.step_threads.prefers_alone = False

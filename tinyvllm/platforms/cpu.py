@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -27,7 +28,7 @@ from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
 from tinyvllm.platforms.interface import Platform
 from tinyvllm.platforms.weight_pages import move_weights_to_huge_pages
-from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, has_native_bf16_matmul
+from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, cpu_time_jiffies, has_native_bf16_matmul
 from tinyvllm.utils.memory import release_free_heap
 from tinyvllm.utils.omp import omp_waits_spin
 
@@ -48,6 +49,11 @@ PACKED_GEMM_MAX_ROWS = 256
 # malloc_trim per burst of prefill; the next big step faults its activations in again.
 HEAP_RELEASE_STEP_TOKENS = 64
 HEAP_RELEASE_AFTER_TOKENS = 256
+# A long torch step this long after the last step ended (an idle spell) counts the clock ticks
+# other programs used meanwhile, over at least this many ticks (/proc/stat counts 100 a second
+# per CPU), to choose its thread count.
+IDLE_PROBE_NS = 100_000_000
+IDLE_PROBE_MIN_TICKS = 10
 
 
 class CpuPlatform(Platform):
@@ -92,6 +98,10 @@ class CpuPlatform(Platform):
         # The step in progress (one at a time), from `start_step` for `finish_step`.
         self._step_tokens = self._step_start = self._step_restore_threads = 0
         self._last_step_tokens = 0  # the previous step's, for HEAP_RELEASE_AFTER_TOKENS
+        # When the last step ended (perf_counter_ns) and the machine's CPU ticks then: a long
+        # step after an idle spell measures what other programs used meanwhile.
+        self._finish_ns = 0
+        self._ticks_at_finish: tuple[int, int] | None = None
         self._step_native = self._step_gemms = self._step_chooses_threads = False
 
     @property
@@ -179,10 +189,31 @@ class CpuPlatform(Platform):
             # A long step (a prefill chunk, a vision tower over a video) is too dear to try
             # both ways: one trial on one thread costs seconds on a quiet machine (a 2k-token
             # video prefill: 2x). The decode steps' cheap trials already tell whether another
-            # program holds a core; follow them.
-            return 1 if self.native.step_threads.prefers_alone else self.torch_threads.threads
+            # program holds a core; follow them, unless the engine was idle: then what other
+            # programs used meanwhile is measured (the steps' choice is stale, and torch's
+            # spinning threads with a core taken ran a 16 x 32-token prefill 10x slower).
+            threads = self.torch_threads.threads
+            busy = self._cpus_busy_while_idle()
+            if busy is not None:
+                # Biased to fewer threads: one too many with a core taken costs ~10x, one
+                # too few on an idle core 2x.
+                free = (os.cpu_count() or threads) - busy
+                return threads if free >= threads - 0.25 else max(1, int(free + 0.25))
+            return 1 if self.native.step_threads.prefers_alone else threads
         self._step_chooses_threads = True
         return self.torch_threads.choose(num_tokens)
+
+    def _cpus_busy_while_idle(self) -> float | None:
+        """CPUs other programs kept busy since the last step ended, when that was an idle
+        spell long enough to count clock ticks over (None otherwise, or without /proc)."""
+        mark = self._ticks_at_finish
+        if mark is None or time.perf_counter_ns() - self._finish_ns < IDLE_PROBE_NS:
+            return None
+        now = cpu_time_jiffies()
+        if now is None or now[1] - mark[1] < IDLE_PROBE_MIN_TICKS:
+            return None
+        idle, total = now[0] - mark[0], now[1] - mark[1]
+        return (total - idle) / total * (os.cpu_count() or 1)
 
     def finish_step(self) -> None:
         num_tokens = self._step_tokens
@@ -205,6 +236,9 @@ class CpuPlatform(Platform):
         # Steps the route picked (either path) inform its next choice; others pass through.
         if route is not None and route.pending and (self._step_native or self._step_gemms):
             route.record(num_tokens, elapsed)
+        if native_ops is not None and self.torch_threads.threads > 1:
+            self._finish_ns = time.perf_counter_ns()
+            self._ticks_at_finish = cpu_time_jiffies()
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():
