@@ -150,9 +150,8 @@ class CpuPlatform(Platform):
         self._step_gemms = self._step_chooses_threads = False
         if num_tokens == 0:
             # An empty step (AsyncLLM's flush after a request finished): nothing to choose a
-            # thread count for, and its time would teach the choices noise (the decode
-            # choice's bucket 0 set which way the next prefill ran: with a competitor,
-            # batch-16 rounds of AsyncLLM fell to 158-192 tok/s against ~600).
+            # thread count for, and its time would teach the choices noise (the winner of
+            # the decode choice's bucket 0 set `prefers_alone`, which long steps follow).
             self._step_native = False
             self._step_restore_threads = 0
             self._step_start = time.perf_counter_ns()
