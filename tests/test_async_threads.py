@@ -1,8 +1,8 @@
 """What the engine thread of AsyncLLM needs to step as fast as LLM.generate in the caller's
 thread: torch's OpenMP workers of the thread that built the engine are released (else libgomp
 counts them against the cores and every team's workers sleep between ops), torch's thread
-count is held across the steps as LLM.generate holds it, and a burst of submissions after an
-idle spell is taken into the first step."""
+count is held across the steps as LLM.generate holds it, and a burst of commands after an
+idle spell is taken at once."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import SamplingParams
 from tinyvllm.engine.async_llm import AsyncLLM
 from tinyvllm.engine.engine_loop import SETTLE_GAP_S, EngineLoop
 
@@ -118,43 +118,3 @@ def test_settle_takes_the_commands_of_a_burst_only() -> None:
     assert time.monotonic() - start < 0.1 + SETTLE_GAP_S
     late.join()
     assert loop._commands.get_nowait() == 99  # after the gap: left for the next step
-
-
-def test_a_gathered_burst_runs_as_one_batch(tiny_llama: Path) -> None:
-    """Requests gathered from one event loop join the first step together (greedy tokens
-    equal LLM.generate's either way)."""
-    import asyncio
-
-    ref = LLM(str(tiny_llama), dtype="float32", max_model_len=64)
-    prompts = [[3 + i, 40 + i, 7] for i in range(6)]
-    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in ref.generate(
-        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]  # fmt: skip
-    llm = AsyncLLM(ref.engine)
-    steps: list[int] = []
-    engine = ref.engine
-    step = engine.step
-
-    def counted_step() -> list:
-        out = step()
-        steps.append(len(out))
-        return out
-
-    engine.step = counted_step
-    try:
-
-        async def one(p: list[int]) -> list[int]:
-            last = None
-            async for out in llm.generate({"prompt_token_ids": p}, sp):
-                last = out
-            assert last is not None
-            return list(last.outputs[0].token_ids)
-
-        async def burst() -> list[list[int]]:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-        assert asyncio.run(asyncio.wait_for(burst(), TIMEOUT)) == want
-    finally:
-        llm.shutdown(timeout=TIMEOUT)
-        del engine.step
-    assert steps[0] == len(prompts), steps

@@ -132,6 +132,23 @@ def test_int8_flag_falls_back_to_exact_on_avx2(kernels: QuantKernels) -> None:
 # --- engine ------------------------------------------------------------------------------
 
 
+# A prompt for the tiny models' logprob comparisons.
+PROMPT = [(37 * i + 11) % 500 + 3 for i in range(24)]
+
+
+def tiny_q4_1_gguf(tiny_models: object, tmp_path: Path) -> Path:
+    """The tiny Llama as a GGUF of Q4_1 layers and a Q8_0 embedding / lm_head."""
+    import gguf
+    from gguf_writer import write_tiny_gguf
+
+    q = gguf.GGMLQuantizationType
+    return write_tiny_gguf(
+        tiny_models["llama"],  # type: ignore[index]
+        tmp_path / "tiny.gguf",
+        qtype_for=lambda name, w: q.Q8_0 if name.startswith("token_embd") else q.Q4_1,
+    )
+
+
 def _prompt_logprobs(llm: object, prompt: list[int]) -> list[float]:
     from tinyvllm import SamplingParams
 
@@ -145,20 +162,12 @@ def test_engine_int8_activations_are_close_to_the_exact_default(
 ) -> None:
     """A tiny Llama with Q4_1 layers and a Q8_0 embedding / lm_head: the default stays exact
     (its GEMVs take the plain codes), the opt-in moves prompt logprobs by a little."""
-    import gguf
-    from gguf_writer import write_tiny_gguf
-
     from tinyvllm import LLM
 
     if not kernels.int8_activations_supported(FORMAT_Q4_1):
         pytest.skip("no AVX512-VNNI here: the opt-in runs the exact kernels")
-    q = gguf.GGMLQuantizationType
-    path = write_tiny_gguf(
-        tiny_models["llama"],
-        tmp_path / "tiny.gguf",
-        qtype_for=lambda name, w: q.Q8_0 if name.startswith("token_embd") else q.Q4_1,
-    )
-    prompt = [(37 * i + 11) % 500 + 3 for i in range(24)]
+    path = tiny_q4_1_gguf(tiny_models, tmp_path)
+    prompt = PROMPT
     got = {}
     for int8 in (False, True):
         llm = LLM(str(path), dtype="float32", max_model_len=128, int8_activations=int8)

@@ -131,19 +131,11 @@ def test_engine_repacks_only_with_int8_activations(
 ) -> None:
     """The opt-in stores the 16-row layout (the embedding too) and stays as close to the exact
     default as the file layout's int8 kernels; the default keeps the file's blocks."""
-    import gguf
-    from gguf_writer import write_tiny_gguf
-    from test_native_int8 import _prompt_logprobs
+    from test_native_int8 import PROMPT, _prompt_logprobs, tiny_q4_1_gguf
 
     from tinyvllm import LLM
 
-    q = gguf.GGMLQuantizationType
-    path = write_tiny_gguf(
-        tiny_models["llama"],
-        tmp_path / "tiny.gguf",
-        qtype_for=lambda name, w: q.Q8_0 if name.startswith("token_embd") else q.Q4_1,
-    )
-    prompt = [(37 * i + 11) % 500 + 3 for i in range(24)]
+    path, prompt = tiny_q4_1_gguf(tiny_models, tmp_path), PROMPT
     got = {}
     for layout in ("file, exact", "file, int8", "rows16, int8"):
         int8 = layout.endswith("int8")
@@ -175,21 +167,13 @@ def test_engine_repacks_for_the_exact_gemv_in_bf16_only(
     """The default (exact) path stores Q4_1 layers in the 16-row layout for a bf16 model,
     keeps Q8_0 (no exact kernel reads it) and fp32 models' weights in the file's layout, and
     computes what the file layout computes up to summation order."""
-    import gguf
-    from gguf_writer import write_tiny_gguf
-    from test_native_int8 import _prompt_logprobs
+    from test_native_int8 import PROMPT, _prompt_logprobs, tiny_q4_1_gguf
 
     from tinyvllm import LLM
 
     if not kernels.rows16_exact_supported(FORMAT_Q4_1):
         pytest.skip("no AVX512-BF16 here")
-    q = gguf.GGMLQuantizationType
-    path = write_tiny_gguf(
-        tiny_models["llama"],
-        tmp_path / "tiny.gguf",
-        qtype_for=lambda name, w: q.Q8_0 if name.startswith("token_embd") else q.Q4_1,
-    )
-    prompt = [(37 * i + 11) % 500 + 3 for i in range(24)]
+    path, prompt = tiny_q4_1_gguf(tiny_models, tmp_path), PROMPT
     got = {}
     for dtype, rows16 in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
         with monkeypatch.context() as patch:

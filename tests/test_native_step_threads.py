@@ -262,29 +262,38 @@ def test_empty_steps_teach_no_choice() -> None:
 
 
 def test_a_long_step_after_idle_counts_what_others_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first prefill after an idle spell: the decode steps' choice is stale, so the clock
-    ticks other programs used meanwhile decide (with a core taken, torch's two spinning threads
-    ran a 16 x 32-token prefill 10x slower than one)."""
+    """The first prefill after an idle spell: the decode steps' choice is stale, so the CPU
+    time other programs used meanwhile decides (with a core taken, torch's two spinning
+    threads ran a 16 x 32-token prefill 10x slower than one). This process's own CPU time
+    since the mark is not theirs."""
     import tinyvllm.platforms.cpu as cpu
     from tinyvllm.platforms.cpu import CpuPlatform
 
     native = NativeCpuOps.load()
     if native is None or torch.get_num_threads() < 2:
         pytest.skip("needs the native library and two torch threads")
+    clock = {"ns": 10**12, "ticks": (1000, 2000), "own": 5.0}
     monkeypatch.setattr(cpu.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu.time, "perf_counter_ns", lambda: clock["ns"])
+    monkeypatch.setattr(cpu.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(cpu, "cpu_time_jiffies", lambda: clock["ticks"])
     platform = CpuPlatform(torch.device("cpu"), torch.float32, native)
     full = platform.torch_threads.threads
     native.step_threads.prefers_alone = False
-    ticks = {"now": (1000, 2000)}
-    monkeypatch.setattr(cpu, "cpu_time_jiffies", lambda: ticks["now"])
     platform.start_step(1, True)
-    platform.finish_step()  # marks (1000, 2000)
-    assert platform._torch_step_threads(2048) == full  # no idle spell yet: the steps' choice
-    platform._finish_ns -= 2 * cpu.IDLE_PROBE_NS
-    ticks["now"] = (1000 + 38, 2000 + 40)  # 2 CPUs, 20 ticks each: 1.9 CPUs idle
-    assert platform._torch_step_threads(2048) == full
-    ticks["now"] = (1000 + 20, 2000 + 40)  # one CPU busy all along
-    assert platform._torch_step_threads(2048) == 1
-    ticks["now"] = (1000 + 2, 2000 + 4)  # too few ticks to tell: the steps' choice
-    assert platform._torch_step_threads(2048) == full
-    native.step_threads.prefers_alone = False
+    platform.finish_step()  # the mark: (1000, 2000) ticks, 5 s of our CPU
+
+    def after_idle(idle: int, total: int, own_s: float = 0.0) -> int:
+        # 0.2 s later (2 CPUs x 20 ticks), `own_s` of it this process's.
+        clock["ns"] += 2 * cpu.IDLE_PROBE_NS
+        clock["ticks"], clock["own"] = (1000 + idle, 2000 + total), 5.0 + own_s
+        try:
+            return platform._torch_step_threads(2048)
+        finally:
+            clock["ns"] -= 2 * cpu.IDLE_PROBE_NS
+
+    assert platform._torch_step_threads(2048) == full  # no idle spell: the steps' choice
+    assert after_idle(38, 40) == full  # 1.9 CPUs idle
+    assert after_idle(20, 40) == 1  # another program held a core
+    assert after_idle(20, 40, own_s=0.2) == full  # the busy core was ours (before the spell)
+    assert after_idle(2, 4) == full  # too few ticks to tell: the steps' choice

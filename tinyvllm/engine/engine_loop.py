@@ -48,10 +48,9 @@ logger = logging.getLogger(__name__)
 
 # How long the exit hook waits for the engine thread to finish its step and stop.
 EXIT_JOIN_TIMEOUT_S = 30.0
-# Woken from idle by a command, the loop takes the commands that follow within this gap of
-# each other (up to SETTLE_MAX_S in all) before its first step: requests submitted together
-# (asyncio.gather over AsyncLLM.generate, a server's burst) arrive over a few hundred
-# microseconds, and one that misses the first step costs the batch a step of its own.
+# Woken from idle, the loop takes commands arriving within this gap of each other (up to
+# SETTLE_MAX_S in all) before its first step: a burst of requests (asyncio.gather over
+# AsyncLLM.generate, a server's) arrives over a few hundred microseconds.
 SETTLE_GAP_S = 0.0005
 SETTLE_MAX_S = 0.002
 
@@ -142,11 +141,9 @@ class EngineLoop:
         platform = _platform(self.engine)
         in_a_row = platform.steps_in_a_row() if platform is not None else nullcontext()
         try:
-            # Held for the thread's life (inference mode and torch's thread count are per
-            # thread, and only engine work runs here), as LLM.generate holds both across its
-            # steps: without the thread count held, every step set torch to one thread and
-            # back, and torch's ops between the steps woke its second thread, which went back
-            # to sleep (~20 context switches a step, batch 16 ~7% slower than LLM.generate).
+            # Held for the thread's life (both are per thread; only engine work runs here), as
+            # LLM.generate holds them across its steps: each step otherwise set torch's
+            # thread count and back, and ops between steps woke and slept its second thread.
             with torch.inference_mode(), in_a_row:
                 self._loop()
         except BaseException as exc:  # never leave a stream waiting on a dead thread
@@ -389,7 +386,7 @@ class EngineLoop:
             future.set_exception(self.new_dead_error() if self.dead_error is not None else error)
 
 
-def _platform(engine: Engine | PoolingEngine) -> Platform | None:
+def _platform(engine: Engine | PoolingEngine) -> Platform | None:  # None: no runner's platform
     return getattr(getattr(engine, "runner", None), "platform", None)
 
 

@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the kernels that carry AVX-512 target attributes (row_kernels.cpp,
-// attn_avx512.cpp): the library is built with AVX2 flags, so each function names its target.
+// attn_avx512.cpp, the 16-row layout's GEMVs): the library is built with AVX2 flags, so each function names its target.
 #pragma once
 
 #include <immintrin.h>
@@ -15,6 +15,19 @@ TV_AVX512 inline __m512 load16(const uint16_t* p) {
 }
 
 TV_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN stays NaN
+// (as common.h's f32_to_bf16).
+TV_AVX512 inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  r = _mm512_srli_epi32(r, 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(64));
+  return _mm512_mask_mov_epi32(r, nan, quiet);
+}
 
 // exp(x) to ~1 ulp for x in [-110, 100], in the lanes of `keep` (zero elsewhere): x = n ln2 + r
 // (ln2 split in two so n ln2 is exact), a degree-7 polynomial for e^r on |r| <= ln2 / 2, then

@@ -6,14 +6,14 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "avx512_math.h"
+
 namespace tv {
 
 // 16 values of x (dtype code x_dt: fp32 or bf16) from element i, as fp32.
 inline __m512 int8_act_load16(const void* x, int x_dt, int64_t i) {
-  if (x_dt == 0) return _mm512_loadu_ps(static_cast<const float*>(x) + i);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-      static_cast<const uint16_t*>(x) + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return x_dt == 0 ? load16(static_cast<const float*>(x) + i)
+                   : load16(static_cast<const uint16_t*>(x) + i);
 }
 
 // Block at x + off (32 values) -> 32 int8 at q (in order), its dx, the sum of its int8 values.

@@ -31,6 +31,7 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
 // After the target pragma: its inline AVX-512 functions compile for that target.
+#include "avx512_math.h"
 #include "int8_act.h"
 
 namespace tv {
@@ -155,15 +156,8 @@ inline void store16(void* out, int64_t i, __m512 v, const void* bias, int b_dt, 
                     int dt) {
   if (bias) v = _mm512_add_ps(v, int8_act_load16(bias, b_dt, n));
   if (dt == 0) return _mm512_storeu_ps(static_cast<float*>(out) + i, v);
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(64));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
-                      _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
+                      _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 
 // Groups [g0, g1) against input rows m0 .. m0 + M; out [.][N] in x_dt.

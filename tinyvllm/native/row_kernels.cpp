@@ -23,19 +23,6 @@ namespace {
 // in the kHw instantiations below, which run only where the CPU has it (tv_rows_bf16_hw).
 #define TV_ROWS __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
-// fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN stays NaN
-// (as common.h's f32_to_bf16).
-TV_ROWS inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  r = _mm512_srli_epi32(r, 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(64));
-  return _mm512_mask_mov_epi32(r, nan, quiet);
-}
-
 // 16 fp32 -> 16 bf16, rounded as bf16_bits. kHw: one vcvtneps2bf16, which rounds the same way
 // (nearest even, NaN quieted by the same bit) except that it reads fp32 denormals as zero, so
 // a vector holding one takes the integer path. Why: the integer rounding is ~10 instructions

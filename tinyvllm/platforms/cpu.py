@@ -98,10 +98,12 @@ class CpuPlatform(Platform):
         # The step in progress (one at a time), from `start_step` for `finish_step`.
         self._step_tokens = self._step_start = self._step_restore_threads = 0
         self._last_step_tokens = 0  # the previous step's, for HEAP_RELEASE_AFTER_TOKENS
-        # When the last step ended (perf_counter_ns) and the machine's CPU ticks then: a long
-        # step after an idle spell measures what other programs used meanwhile.
+        # When the last step ended (perf_counter_ns), and a mark taken at most every
+        # IDLE_PROBE_NS / 2 at a step's end: (perf_counter_ns, the machine's (idle, total)
+        # CPU ticks, this process's CPU seconds). A long step after an idle spell measures
+        # what other programs used since the mark.
         self._finish_ns = 0
-        self._ticks_at_finish: tuple[int, int] | None = None
+        self._cpu_mark: tuple[int, tuple[int, int], float] | None = None
         self._step_native = self._step_gemms = self._step_chooses_threads = False
 
     @property
@@ -203,16 +205,21 @@ class CpuPlatform(Platform):
         return self.torch_threads.choose(num_tokens)
 
     def _cpus_busy_while_idle(self) -> float | None:
-        """CPUs other programs kept busy since the last step ended, when that was an idle
-        spell long enough to count clock ticks over (None otherwise, or without /proc)."""
-        mark = self._ticks_at_finish
-        if mark is None or time.perf_counter_ns() - self._finish_ns < IDLE_PROBE_NS:
+        """CPUs other programs kept busy since the last mark, when the last step ended an
+        idle spell ago and enough clock ticks passed to count (None otherwise, or without
+        /proc). This process's own CPU time since the mark (the steps before the spell) is
+        not theirs."""
+        now_ns = time.perf_counter_ns()
+        mark = self._cpu_mark
+        if mark is None or now_ns - self._finish_ns < IDLE_PROBE_NS:
             return None
-        now = cpu_time_jiffies()
-        if now is None or now[1] - mark[1] < IDLE_PROBE_MIN_TICKS:
+        ticks = cpu_time_jiffies()
+        if ticks is None or ticks[1] - mark[1][1] < IDLE_PROBE_MIN_TICKS:
             return None
-        idle, total = now[0] - mark[0], now[1] - mark[1]
-        return (total - idle) / total * (os.cpu_count() or 1)
+        idle, total = ticks[0] - mark[1][0], ticks[1] - mark[1][1]
+        wall_s = (now_ns - mark[0]) / 1e9
+        busy_s = (total - idle) / total * (os.cpu_count() or 1) * wall_s
+        return max(0.0, busy_s - (time.process_time() - mark[2])) / wall_s
 
     def finish_step(self) -> None:
         num_tokens = self._step_tokens
@@ -236,8 +243,11 @@ class CpuPlatform(Platform):
         if route is not None and route.pending and (self._step_native or self._step_gemms):
             route.record(num_tokens, elapsed)
         if native_ops is not None and self.torch_threads.threads > 1:
-            self._finish_ns = time.perf_counter_ns()
-            self._ticks_at_finish = cpu_time_jiffies()
+            self._finish_ns = now = time.perf_counter_ns()
+            # A /proc read (~7 us) per half probe window, not per step.
+            if self._cpu_mark is None or now - self._cpu_mark[0] > IDLE_PROBE_NS // 2:
+                ticks = cpu_time_jiffies()
+                self._cpu_mark = None if ticks is None else (now, ticks, time.process_time())
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():
