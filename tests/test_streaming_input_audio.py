@@ -16,6 +16,7 @@ from test_streaming_input import collect, failure_beside, gather_on
 from voxtral_realtime_fixtures import PROMPT, build_tiny_voxtral, random_audio
 
 from tinyvllm import LLM, RequestOutput, SamplingParams, StreamingInput
+from tinyvllm.sampling_params import RequestOutputKind
 from tinyvllm.engine.async_llm import AsyncLLM, RequestError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -210,3 +211,34 @@ def test_audio_for_a_text_only_model_is_refused(tiny_models) -> None:
     finally:
         a.shutdown(timeout=TIMEOUT)
     assert_engine_clean(llm.engine)
+
+
+def test_end_of_input_after_the_last_token_flushes_the_text(vox_llm: LLM) -> None:
+    """A transcription that produced its last token before its input ended finishes at
+    `end_input`: its text still ends as a full decode of its tokens does (an incomplete
+    character flushed as U+FFFD), in final and in delta outputs."""
+    engine = vox_llm.engine
+    clip = random_audio(0.8, seed=5)  # its transcript ends inside a UTF-8 character
+    prompt = {"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": (clip, 16000)}}
+    expected = vox_llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0]
+    assert expected.text.endswith("\ufffd")
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA):
+        params = SamplingParams(temperature=0.0, max_tokens=200, output_kind=kind)
+        first = {"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": clip}}
+        rid = engine.add_request(f"flush-{kind.name}", first, params, streaming=True)
+        request = engine.input_streams.streams[rid].request
+        outs: list[RequestOutput] = []
+        for _ in range(100):  # every position's token, then it waits for more audio
+            before = request.num_output_tokens
+            outs += engine.step()
+            if request.num_output_tokens == before and request.num_output_tokens > 0:
+                break
+        ended = engine.end_input(rid)  # the last token is out: this ends the request
+        assert ended and not engine.has_unfinished_requests()
+        outs += ended
+        assert outs[-1].finished
+        text = "".join(o.outputs[0].text for o in outs)
+        assert (text if kind == RequestOutputKind.DELTA else outs[-1].outputs[0].text) == (
+            expected.text
+        )
+    assert_engine_clean(engine)

@@ -141,6 +141,10 @@ class OutputProcessor:
         child = self.children.get(request_id)
         if child is None or child.finish_reason is not None:
             return
+        # Ended without a last token update (a realtime request whose input ends after its
+        # last token, an abort): the bytes of an incomplete character still flush as U+FFFD,
+        # so the text equals a full decode of the tokens.
+        child.detokenizer.update([], finished=True)
         child.finish_reason = finish_reason
         child.stop_reason = stop_reason
         child.changed = True
