@@ -16,8 +16,8 @@ from test_streaming_input import collect, failure_beside, gather_on
 from voxtral_realtime_fixtures import PROMPT, build_tiny_voxtral, random_audio
 
 from tinyvllm import LLM, RequestOutput, SamplingParams, StreamingInput
-from tinyvllm.sampling_params import RequestOutputKind
 from tinyvllm.engine.async_llm import AsyncLLM, RequestError
+from tinyvllm.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
