@@ -141,10 +141,14 @@ class OutputProcessor:
         child = self.children.get(request_id)
         if child is None or child.finish_reason is not None:
             return
-        # Ended without a last token update (a realtime request whose input ends after its
-        # last token, an abort): the bytes of an incomplete character still flush as U+FFFD,
-        # so the text equals a full decode of the tokens.
-        child.detokenizer.update([], finished=True)
+        if finish_reason != "error":
+            # Ended without a last token update (a realtime request whose input ends after
+            # its last token, an abort): the bytes of an incomplete character still flush as
+            # U+FFFD, so the text equals a full decode of the tokens.
+            try:
+                child.detokenizer.update([], finished=True)
+            except Exception as exc:  # a tokenizer that cannot decode: this request errs
+                finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
         child.finish_reason = finish_reason
         child.stop_reason = stop_reason
         child.changed = True

@@ -21,6 +21,7 @@ from tinyvllm.gguf.weight import GGUFWeight
 from tinyvllm.native.ops import NativeCpuOps
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import QuantizedWeight
+from tinyvllm.utils.cpu import has_native_bf16_matmul
 
 
 class WeightLoader(Protocol):
@@ -284,8 +285,11 @@ def attach_fp32_gemm_weights(
 def packed_gemm_supported(dtype: torch.dtype) -> bool:
     """Whether torch can run `dtype` GEMMs on oneDNN-prepacked weights here."""
     mkldnn = torch.ops.mkldnn
+    # oneDNN packs bf16 only where the CPU has bf16 instructions (AVX512-BF16 / AMX; AVX2
+    # CPUs fail in the reorder), and only there do the copies pay.
     return (
         dtype == torch.bfloat16
+        and has_native_bf16_matmul()
         and torch.backends.mkldnn.is_available()
         and hasattr(mkldnn, "_reorder_linear_weight")
         and hasattr(mkldnn, "_linear_pointwise")
