@@ -294,7 +294,8 @@ def test_evs_rate_zero_is_no_evs(vlm_dir: Path) -> None:
     assert type(zero.engine.runner.model_state).__name__ == "MRopeModelState"
     assert out.prompt_token_ids == plain.prompt_token_ids
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert _chosen_logprobs(out) == _chosen_logprobs(plain)
+    # Same inputs, same model: only the summation order of a step's thread count may differ.
+    assert _chosen_logprobs(out) == pytest.approx(_chosen_logprobs(plain), rel=1e-5, abs=1e-6)
 
 
 def _chosen_logprobs(out: Any) -> list[float]:

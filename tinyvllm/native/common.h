@@ -66,12 +66,20 @@ bool int8_act_supported(int fmt);
 void linear_blocks_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
                         int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
 // A Q4_0 / Q4_1 / Q8_0 code with this bit set names a matrix repacked 16 rows at a time
-// (int8_rows16.cpp, tv_repack_rows16): its GEMVs with kFmtInt8Act run linear_rows16_int8
-// (same contract as tv_linear_blocks), its rows dequantize through rows16_gguf_row (row r's
-// GGUF blocks, K / 32 of them, into row).
+// (rows16_layout.cpp, tv_repack_rows16): its GEMVs with kFmtInt8Act run linear_rows16_int8
+// (same contract as tv_linear_blocks; the AVX512-VNNI kernel of int8_rows16.cpp or the AVX2
+// one of int8_rows16_avx2.cpp), its rows dequantize through rows16_gguf_row (row r's GGUF
+// blocks, K / 32 of them, into row).
 constexpr int kFmtRows16 = 0x200;
+bool rows16_int8_supported(int fmt);
 void linear_rows16_int8(const void* x, int x_dt, const uint8_t* w, int fmt, const void* bias,
                         int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads);
+void linear_rows16_int8_avx512(const void* x, int x_dt, const uint8_t* w, int fmt,
+                               const void* bias, int b_dt, void* out, int M, int64_t N, int64_t K,
+                               int nthreads);
+void linear_rows16_int8_avx2(const void* x, int x_dt, const uint8_t* w, int fmt,
+                             const void* bias, int b_dt, void* out, int M, int64_t N, int64_t K,
+                             int nthreads);
 void rows16_gguf_row(const uint8_t* w, int fmt, int64_t K, int64_t r, uint8_t* row);
 // The bytes of the layout's blocks to come, before reading `bytes` at p: 8 KiB ahead into L2
 // and 1 KiB ahead into L1. The far prefetches keep enough lines in flight for a core to
