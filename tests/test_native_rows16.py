@@ -6,6 +6,7 @@ layout's bits. The engine repacks where a GEMV reads the layout."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,17 @@ def kernels() -> QuantKernels:
     return kernels
 
 
+@pytest.fixture(params=["best", "avx2"])
+def isa(request: pytest.FixtureRequest, kernels: QuantKernels) -> Iterator[str]:
+    """The kernels of the CPU's best instruction set, then the AVX2 ones (the same layout)."""
+    level = kernels.lib.tv_set_isa(0 if request.param == "best" else 1)
+    if request.param == "best" and level == 1:
+        pytest.skip("AVX2 is this CPU's best: the avx2 case covers it")
+    yield request.param
+    kernels.lib.tv_set_isa(0)
+
+
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: FORMATS[f][0])
 @pytest.mark.parametrize("k", [32, 96, 576, 1536])  # odd block counts end on one accumulator
 @pytest.mark.parametrize("m", [1, 4, 7, 13])  # tiles of 4 input rows and their remainders
@@ -85,6 +97,7 @@ def test_rows16_rows_read_back_as_the_file_layout(kernels: QuantKernels, fmt: in
     )
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("fmt", [FORMAT_Q4_0, FORMAT_Q4_1], ids=["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("k", [32, 96, 576])
 def test_exact_rows16_gemv_is_the_file_kernels_arithmetic(
@@ -93,8 +106,7 @@ def test_exact_rows16_gemv_is_the_file_kernels_arithmetic(
     """bf16 activations: every product exact, fp32 sums (within their rounding of the
     dequantized fp32 product), each row's bits independent of the batch around it, and the
     file layout's kernel's bits on nearly every output (only the summation order differs)."""
-    if not kernels.rows16_exact_supported(fmt):
-        pytest.skip("no AVX512-BF16 here")
+    assert kernels.rows16_exact_supported(fmt)  # AVX512-BF16 or AVX2 kernels
     gen = torch.Generator().manual_seed(fmt * 100 + k)
     rows = 80
     blocks = random_blocks(fmt, rows, k, gen)
@@ -175,8 +187,7 @@ def test_engine_repacks_for_the_exact_gemv_in_bf16_only(
 
     from tinyvllm import LLM
 
-    if not kernels.rows16_exact_supported(FORMAT_Q4_1):
-        pytest.skip("no AVX512-BF16 here")
+    assert kernels.rows16_exact_supported(FORMAT_Q4_1)
     path, prompt = tiny_q4_1_gguf(tiny_models, tmp_path), PROMPT
     got = {}
     for dtype, rows16 in (("float32", False), ("bfloat16", False), ("bfloat16", True)):

@@ -134,8 +134,9 @@ TileFn tile_for(int M) {
 
 }  // namespace
 
-void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void* bias, int b_dt,
-                        uint16_t* out, int M, int64_t N, int64_t K, int nthreads) {
+void linear_rows16_bf16_avx512(const uint16_t* x, const uint8_t* w, int fmt, const void* bias,
+                               int b_dt, uint16_t* out, int M, int64_t N, int64_t K,
+                               int nthreads) {
   const int64_t nb = K / 32;
   char* buf = static_cast<char*>(checked_aligned_alloc(M * K * 2 + M * nb * 4));
   uint16_t* x16 = reinterpret_cast<uint16_t*>(buf);
@@ -158,9 +159,3 @@ void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void
 }  // namespace tv
 
 #pragma GCC pop_options
-
-// 1 when the exact kernel takes a Q4_0 / Q4_1 matrix (code fmt) in the 16-row layout against
-// bf16 activations on this CPU (the AVX-512 kernels, which need AVX512-BF16, are in use).
-extern "C" int tv_rows16_exact_supported(int fmt) {
-  return (fmt == 2 || fmt == 3) && tv::isa_level() == tv::kIsaAvx512 ? 1 : 0;
-}

@@ -92,9 +92,15 @@ inline void rows16_prefetch(const uint8_t* p, int64_t bytes) {
   }
 }
 // Without kFmtInt8Act, a Q4_0 / Q4_1 matrix in the layout against bf16 activations runs the
-// exact kernel of bf16_rows16.cpp (AVX512-BF16; out bf16 [M][N]).
+// exact kernel of bf16_rows16.cpp (AVX512-BF16) or bf16_rows16_avx2.cpp (out bf16 [M][N]).
 void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void* bias, int b_dt,
                         uint16_t* out, int M, int64_t N, int64_t K, int nthreads);
+void linear_rows16_bf16_avx512(const uint16_t* x, const uint8_t* w, int fmt, const void* bias,
+                               int b_dt, uint16_t* out, int M, int64_t N, int64_t K,
+                               int nthreads);
+void linear_rows16_bf16_avx2(const uint16_t* x, const uint8_t* w, int fmt, const void* bias,
+                             int b_dt, uint16_t* out, int M, int64_t N, int64_t K,
+                             int nthreads);
 
 template <class F>
 void parallel_for(int64_t n, int nthreads, F&& f) {

@@ -83,6 +83,13 @@ void linear_rows16_int8(const void* x, int x_dt, const uint8_t* w, int fmt, cons
   linear_rows16_int8_avx2(x, x_dt, w, fmt, bias, b_dt, out, M, N, K, nthreads);
 }
 
+void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void* bias, int b_dt,
+                        uint16_t* out, int M, int64_t N, int64_t K, int nthreads) {
+  if (isa_level() == kIsaAvx512)
+    return linear_rows16_bf16_avx512(x, w, fmt, bias, b_dt, out, M, N, K, nthreads);
+  linear_rows16_bf16_avx2(x, w, fmt, bias, b_dt, out, M, N, K, nthreads);
+}
+
 void rows16_gguf_row(const uint8_t* w, int fmt, int64_t K, int64_t r, uint8_t* row) {
   const int64_t nb = K / 32, bb = gguf_block_bytes(fmt), gb = group_block_bytes(fmt);
   const uint8_t* group = w + r / kGroup * nb * gb;
@@ -97,6 +104,10 @@ extern "C" {
 // 1 when a Q4_0 / Q4_1 / Q8_0 matrix (code fmt) can be repacked 16 rows at a time for the
 // int8-activation GEMVs (AVX512-VNNI or AVX2 kernels): the caller also needs N % 16 == 0.
 int tv_rows16_supported(int fmt) { return tv::rows16_int8_supported(fmt) ? 1 : 0; }
+
+// 1 when the exact kernel takes a Q4_0 / Q4_1 matrix (code fmt) in the 16-row layout against
+// bf16 activations (bf16_rows16.cpp with AVX512-BF16, bf16_rows16_avx2.cpp elsewhere).
+int tv_rows16_exact_supported(int fmt) { return fmt == tv::kQ4_0 || fmt == tv::kQ4_1 ? 1 : 0; }
 
 // The GGUF block matrix src [N][K / 32 blocks] of format fmt (N % 16 == 0, K % 32 == 0) in
 // the 16-row layout at dst (as many bytes), for codes with kFmtRows16.
