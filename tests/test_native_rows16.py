@@ -1,8 +1,10 @@
 """GGUF matrices repacked 16 rows at a time (tinyvllm/native/rows16_layout.cpp): the
-int8-activation GEMVs (int8_rows16.cpp, int8_rows16_avx2.cpp) against the torch reference of their arithmetic (test_native_int8.py),
-the exact bf16 GEMV (bf16_rows16.cpp) against fp32 products and the file layout's kernel,
-and the layout's other readers: dequantized rows and embedding lookups give the file
-layout's bits. The engine repacks where a GEMV reads the layout."""
+int8-activation GEMVs (int8_rows16.cpp, int8_rows16_avx2.cpp) against the torch reference of
+their arithmetic (test_native_int8.py), the exact bf16 GEMVs (bf16_rows16.cpp,
+bf16_rows16_avx2.cpp) against fp32 products and the file layout's kernel, and the layout's
+other readers: dequantized rows and embedding lookups give the file layout's bits. The engine
+repacks where a GEMV reads the layout. The kernels of the CPU's best instruction set and the
+AVX2 ones are each tested."""
 
 from __future__ import annotations
 
