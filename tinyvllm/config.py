@@ -159,8 +159,9 @@ class EngineArgs:
     quantization: str | None = "auto"
     # Opt-in, changes rounding: decode GEMVs over a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
     # round their activations to int8 per block of 32 and multiply in integers (llama.cpp's
-    # arithmetic; AVX512-VNNI CPUs, elsewhere the exact kernels run). Needs quantized GGUF
-    # weights kept as blocks (quantization "auto" or "gguf") on the CPU.
+    # arithmetic; AVX512-VNNI or AVX2 kernels on matrices of whole 16-row groups, else the
+    # exact kernels run). Needs quantized GGUF weights kept as blocks (quantization "auto" or
+    # "gguf") on the CPU.
     int8_activations: bool = False
     seed: int = 0
     max_model_len: int | None = None

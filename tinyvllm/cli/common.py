@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser, draft: bool = False) -> None:
     p.add_argument(
         "--int8-activations",
         action="store_true",
-        help="GGUF Q4_0/Q4_1/Q8_0 on AVX512-VNNI CPUs: faster decode with activations rounded "
+        help="GGUF Q4_0/Q4_1/Q8_0 on x86 CPUs: faster decode with activations rounded "
         "to int8 per 32 (llama.cpp's arithmetic; not exact, off by default)",
     )
     p.add_argument(

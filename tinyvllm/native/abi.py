@@ -34,11 +34,12 @@ FORMAT_Q6_K = 6
 FORMAT_Q5_0 = 7
 
 # Or-ed into a Q4_0 / Q4_1 / Q8_0 code: GEMVs round their activations to int8 per block of 32
-# (int8_kernels.cpp, opt-in `int8_activations`; not exact) where the CPU has AVX512-VNNI.
+# (int8_kernels.cpp, int8_rows16*.cpp, opt-in `int8_activations`; not exact) where a kernel
+# covers the CPU and layout (the file's: AVX512-VNNI; the 16-row one: AVX512-VNNI or AVX2).
 FORMAT_INT8_ACT = 0x100
-# Or-ed (with FORMAT_INT8_ACT) into a Q4_0 / Q4_1 / Q8_0 code: the matrix is repacked 16 rows
-# at a time for the int8-activation GEMVs (int8_rows16.cpp, `tv_repack_rows16`); dequantizing
-# and embedding lookups read it as well.
+# Or-ed into a Q4_0 / Q4_1 / Q8_0 code: the matrix is repacked 16 rows at a time
+# (rows16_layout.cpp, `tv_repack_rows16`) for the int8-activation GEMVs or the exact bf16 ones;
+# dequantizing and embedding lookups read it as well.
 FORMAT_ROWS16 = 0x200
 
 DTYPE_CODES: Mapping[torch.dtype, int] = MappingProxyType(

@@ -89,17 +89,19 @@ class QuantKernels:
 
     def int8_activations_supported(self, fmt: int) -> bool:
         """Whether GEMVs over format `fmt` with `FORMAT_INT8_ACT` run the int8-activation
-        kernel here (AVX512-VNNI, Q4_0 / Q4_1 / Q8_0) rather than the exact one."""
+        kernel here on the file's layout (AVX512-VNNI, Q4_0 / Q4_1 / Q8_0) rather than the exact
+        one; the 16-row layout has int8 kernels on AVX2 too (`rows16_supported`)."""
         return bool(self.lib.tv_int8_act_supported(fmt & ~FORMAT_INT8_ACT))
 
     def rows16_supported(self, fmt: int) -> bool:
         """Whether a Q4_0 / Q4_1 / Q8_0 matrix can be repacked 16 rows at a time for the
-        int8-activation GEMVs here (`repack_rows16`; its rows must be a multiple of 16)."""
+        int8-activation GEMVs here (`repack_rows16`; its rows must be a multiple of 16;
+        AVX512-VNNI or AVX2 kernels)."""
         return bool(self.lib.tv_rows16_supported(fmt & ~FORMAT_INT8_ACT))
 
     def rows16_exact_supported(self, fmt: int) -> bool:
         """Whether the exact GEMV takes a Q4_0 / Q4_1 matrix in the 16-row layout against
-        bf16 activations here (bf16_rows16.cpp; AVX512-BF16)."""
+        bf16 activations here (bf16_rows16.cpp with AVX512-BF16, bf16_rows16_avx2.cpp)."""
         return bool(self.lib.tv_rows16_exact_supported(fmt & ~FORMAT_INT8_ACT))
 
     def repack_rows16(self, fmt: int, weight: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -41,8 +41,8 @@ class QuantConfig:
     # Never requantize: keep GGUF blocks the kernels read, else dequantize to the model dtype.
     exact: bool = False
     # Opt-in, not exact: decode GEMVs over Q4_0 / Q4_1 / Q8_0 blocks round their activations
-    # to int8 per block of 32 (llama.cpp's arithmetic, AVX512-VNNI CPUs; elsewhere the exact
-    # kernels run). See EngineArgs.int8_activations.
+    # to int8 per block of 32 (llama.cpp's arithmetic; x86 CPUs, on matrices of whole 16-row
+    # groups; elsewhere the exact kernels run). See EngineArgs.int8_activations.
     int8_activations: bool = False
 
     def __post_init__(self) -> None:

@@ -135,7 +135,7 @@ class GGUFBlocks(PackedWeight):
         self.qtype = qtype
         # The layout's code (every kernel call names it): the file's blocks, or where a GEMV
         # for this weight's activations reads it, the same blocks interleaved 16 rows at a
-        # time, which the GEMVs read at 1.5-3x the speed (int8_rows16.cpp, bf16_rows16.cpp).
+        # time, which the GEMVs read at 1.5-3x the speed (rows16_layout.cpp and its kernels).
         self.code = GGUF_FORMATS[qtype]
         int8 = spec.config.int8_activations
         if blocks.shape[0] % 16 == 0 and self._rows16_gemv(spec, int8):
@@ -148,8 +148,8 @@ class GGUFBlocks(PackedWeight):
 
     def _rows16_gemv(self, spec: WeightSpec, int8: bool) -> bool:
         """Whether this weight's GEMVs have a kernel for the 16-row layout: the int8 ones
-        (Q4_0 / Q4_1 / Q8_0 with AVX512-VNNI), or the exact one for Q4_0 / Q4_1 against the
-        bf16 activations of a bf16 model (AVX512-BF16)."""
+        (Q4_0 / Q4_1 / Q8_0), or the exact one for Q4_0 / Q4_1 against the bf16 activations
+        of a bf16 model (AVX-512 kernels where the CPU has them, AVX2 ones elsewhere)."""
         if int8:
             return self.kernels.rows16_supported(self.code)
         bf16 = spec.model_dtype == torch.bfloat16
