@@ -277,6 +277,7 @@ def test_a_long_step_after_idle_counts_what_others_used(monkeypatch: pytest.Monk
     monkeypatch.setattr(cpu.time, "perf_counter_ns", lambda: clock["ns"])
     monkeypatch.setattr(cpu.time, "process_time", lambda: clock["own"])
     monkeypatch.setattr(cpu, "cpu_time_jiffies", lambda: clock["ticks"])
+    monkeypatch.setattr(cpu, "runnable_elsewhere", lambda: 0)  # without a spell: nobody else
     platform = CpuPlatform(torch.device("cpu"), torch.float32, native)
     full = platform.torch_threads.threads
     native.step_threads.prefers_alone = False
@@ -297,3 +298,41 @@ def test_a_long_step_after_idle_counts_what_others_used(monkeypatch: pytest.Monk
     assert after_idle(20, 40) == 1  # another program held a core
     assert after_idle(20, 40, own_s=0.2) == full  # the busy core was ours (before the spell)
     assert after_idle(2, 4) == full  # too few ticks to tell: the steps' choice
+
+
+def test_a_long_step_without_idle_counts_who_wants_a_core_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill right after other steps (no idle spell): the decode steps' choice can lag a
+    competitor that just started (torch's two threads then ran a 16 x 32-token prefill in
+    23 s against 2.4 s on one), so a long step counts other programs' runnable tasks now, to
+    take fewer threads only; a task seen once only (short-lived) does not count, and short
+    steps keep the steps' choice."""
+    import tinyvllm.platforms.cpu as cpu
+    from tinyvllm.platforms.cpu import CpuPlatform
+
+    native = NativeCpuOps.load()
+    if native is None or torch.get_num_threads() < 2:
+        pytest.skip("needs the native library and two torch threads")
+    monkeypatch.setattr(cpu.os, "cpu_count", lambda: 2)
+    seen: list[int] = []
+    monkeypatch.setattr(cpu, "runnable_elsewhere", lambda: seen.pop(0))
+    platform = CpuPlatform(torch.device("cpu"), torch.float32, native)
+    full = platform.torch_threads.threads
+    native.step_threads.prefers_alone = False
+    platform.start_step(1, True)
+    platform.finish_step()  # a step just ended: no idle spell
+
+    def long_step(*counts: int, tokens: int = 2048) -> int:
+        seen[:] = list(counts)
+        threads = platform._torch_step_threads(tokens)
+        assert not seen  # every look was taken
+        return threads
+
+    assert long_step(1, 1) == 1  # a busy program holds a core
+    assert long_step(0) == full  # nobody else: one look
+    assert long_step(1, 0) == full  # gone at the second look
+    assert long_step(2, 2) == 1
+    assert long_step(tokens=cpu.RUNNABLE_PROBE_TOKENS - 1) == full  # short: no look
+    native.step_threads.prefers_alone = True  # the decode steps run alone: so does it
+    assert long_step() == 1  # (load outside this machine's view shows in their times only)

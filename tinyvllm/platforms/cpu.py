@@ -28,7 +28,12 @@ from tinyvllm.native.quant_ops import QuantKernels
 from tinyvllm.native.step_threads import LONG_STEP_TOKENS, StepThreadChoice
 from tinyvllm.platforms.interface import Platform
 from tinyvllm.platforms.weight_pages import move_weights_to_huge_pages
-from tinyvllm.utils.cpu import FP32_GEMM_MIN_ROWS, cpu_time_jiffies, has_native_bf16_matmul
+from tinyvllm.utils.cpu import (
+    FP32_GEMM_MIN_ROWS,
+    cpu_time_jiffies,
+    has_native_bf16_matmul,
+    runnable_elsewhere,
+)
 from tinyvllm.utils.memory import release_free_heap
 from tinyvllm.utils.omp import omp_waits_spin
 
@@ -54,6 +59,9 @@ HEAP_RELEASE_AFTER_TOKENS = 256
 # per CPU), to choose its thread count.
 IDLE_PROBE_NS = 100_000_000
 IDLE_PROBE_MIN_TICKS = 10
+# Long steps from this many tokens on, without an idle spell before them, count the runnable
+# tasks of other programs (/proc, ~0.1-0.3 ms: under 1% of such a step even with AMX).
+RUNNABLE_PROBE_TOKENS = 256
 
 
 class CpuPlatform(Platform):
@@ -195,14 +203,32 @@ class CpuPlatform(Platform):
             # spinning threads with a core taken ran a 16 x 32-token prefill 10x slower).
             threads = self.torch_threads.threads
             busy = self._cpus_busy_while_idle()
+            if busy is None:
+                threads = 1 if self.native.step_threads.prefers_alone else threads
+                if threads == 1 or num_tokens < RUNNABLE_PROBE_TOKENS:
+                    return threads
+                # The decode steps' choice can lag a competitor that just started (their
+                # trials are seconds apart): count who wants a core right now. Only to take
+                # fewer threads: load from outside this machine's view (a VM's neighbours)
+                # shows in the steps' times, not in /proc.
+                busy = self._runnable_elsewhere_now()
             if busy is not None:
                 # Biased to fewer threads: one too many with a core taken costs ~10x, one
                 # too few on an idle core 2x.
                 free = (os.cpu_count() or threads) - busy
                 return threads if free >= threads - 0.25 else max(1, int(free + 0.25))
-            return 1 if self.native.step_threads.prefers_alone else threads
+            return threads
         self._step_chooses_threads = True
         return self.torch_threads.choose(num_tokens)
+
+    @staticmethod
+    def _runnable_elsewhere_now() -> float | None:
+        """Other programs' runnable tasks now; a second look where the first saw some, the
+        fewer counting (a short-lived task must not cost a step half its threads)."""
+        others = runnable_elsewhere()
+        if others:
+            others = min(others, runnable_elsewhere() or 0)
+        return None if others is None else float(others)
 
     def _cpus_busy_while_idle(self) -> float | None:
         """CPUs other programs kept busy since the last mark, when the last step ended an
