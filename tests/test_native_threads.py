@@ -18,7 +18,12 @@ from tinyvllm.native import NativeCpuOps
 from tinyvllm.native.abi import FORMAT_Q4_1
 from tinyvllm.native.build import library_path, load_library, unsupported_reason
 from tinyvllm.native.quant_ops import QuantKernels
-from tinyvllm.utils.cpu import _cgroup_cpu_limit, available_cpus, native_threads
+from tinyvllm.utils.cpu import (
+    _cgroup_cpu_limit,
+    available_cpus,
+    native_threads,
+    runnable_elsewhere,
+)
 
 native_only = pytest.mark.skipif(
     unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
@@ -114,6 +119,22 @@ def test_cgroup_quota_caps_the_core_count(tmp_path: Path) -> None:
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert _cgroup_cpu_limit(tmp_path) is None
     assert 1 <= available_cpus() <= len(__import__("os").sched_getaffinity(0))
+
+
+def test_runnable_elsewhere_counts_other_processes_tasks(tmp_path: Path) -> None:
+    """/proc/loadavg's running count less this process's runnable threads (a command name may
+    hold ") R (" itself); None where /proc is missing."""
+    loadavg, tasks = tmp_path / "loadavg", tmp_path / "task"
+    loadavg.write_text("2.10 1.80 1.50 5/245 12345\n")
+    for tid, stat in (("1", "1 (python) R 0 1"), ("2", "2 (a) R (b) S 1 2"), ("3", "3 (w) R 1")):
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "stat").write_text(stat)
+    assert runnable_elsewhere(loadavg, tasks) == 3  # 5 running, 2 of them ours (not tid 2)
+    loadavg.write_text("0.1 0.1 0.1 1/245 12345\n")
+    assert runnable_elsewhere(loadavg, tasks) == 0  # never below zero
+    assert runnable_elsewhere(tmp_path / "missing", tasks) is None
+    if Path("/proc/loadavg").exists():
+        assert runnable_elsewhere() is not None
 
 
 def test_native_threads_follow_torch_but_not_past_the_cores() -> None:

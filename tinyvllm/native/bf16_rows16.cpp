@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "rows16_kernels.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
@@ -28,8 +29,7 @@ namespace tv {
 namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3;
-constexpr int kGroup = 16;
-constexpr int kTile = 4;  // input rows per pass over a group's weights
+constexpr int kGroup = kRows16Group;
 
 // Column of pair p (0..15) of a block, first and second element: p = 4 j + t, t the shift.
 inline int pair_col(int p, int second) {
@@ -142,16 +142,9 @@ void linear_rows16_bf16_avx512(const uint16_t* x, const uint8_t* w, int fmt, con
   uint16_t* x16 = reinterpret_cast<uint16_t*>(buf);
   float* xs = reinterpret_cast<float*>(buf + M * K * 2);
   reorder_rows(x, M, K, x16, xs);
-  constexpr int64_t kGroupsPerItem = 2;  // 32 rows, as the int8 kernel
-  const int64_t groups = N / kGroup;
-  parallel_for((groups + kGroupsPerItem - 1) / kGroupsPerItem, nthreads, [&](int64_t item) {
-    const int64_t g0 = item * kGroupsPerItem;
-    const int64_t g1 = g0 + kGroupsPerItem < groups ? g0 + kGroupsPerItem : groups;
-    for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-      const int tile = M - m0 < kTile ? static_cast<int>(M - m0) : kTile;
-      (fmt == kQ4_1 ? tile_for<kQ4_1>(tile) : tile_for<kQ4_0>(tile))(
-          w, x16, xs, nb, m0, g0, g1, bias, b_dt, out, N);
-    }
+  rows16_parallel(N, M, nthreads, [&](int64_t g0, int64_t g1, int64_t m0, int tile) {
+    (fmt == kQ4_1 ? tile_for<kQ4_1>(tile) : tile_for<kQ4_0>(tile))(
+        w, x16, xs, nb, m0, g0, g1, bias, b_dt, out, N);
   });
   free(buf);
 }

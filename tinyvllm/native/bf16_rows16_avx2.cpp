@@ -26,18 +26,20 @@
 #include <type_traits>
 
 #include "common.h"
+#include "rows16_kernels.h"
 
 namespace tv {
 
 namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3;
-constexpr int kGroup = 16;
-constexpr int kTile = 4;  // input rows per pass over a group's weights
+constexpr int kGroup = kRows16Group;
 
 // Weight position n (0..7) of a layout vector: its column in the vector's 8 and its bit.
 constexpr int kCol[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int kShift[8] = {0, 4, 8, 12, 16, 20, 24, 28};
+// The activations' factor 2^-shift; the top nibble is shifted down to bit 0 instead.
+constexpr float kScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
 
 // Activation rows as the kernel reads them: xp [M][nb][32] fp32, block b's weight position n
 // of vector j at 8 j + n, pre-scaled by 2^-shift (the top nibble by 1); xs [M][nb] the
@@ -49,10 +51,7 @@ void prepare_rows(const uint16_t* x, int M, int64_t K, float* xp, float* xs) {
       const uint16_t* src = x + m * K + 32 * b;
       float* dst = xp + (m * nb + b) * 32;
       for (int j = 0; j < 4; ++j)
-        for (int n = 0; n < 8; ++n) {
-          const float scale = n == 7 ? 1.0f : 1.0f / static_cast<float>(1 << kShift[n]);
-          dst[8 * j + n] = bf16_to_f32(src[8 * j + kCol[n]]) * scale;
-        }
+        for (int n = 0; n < 8; ++n) dst[8 * j + n] = bf16_to_f32(src[8 * j + kCol[n]]) * kScale[n];
       float sum = 0.0f;
       for (int i = 0; i < 32; ++i) sum += bf16_to_f32(src[i]);
       xs[m * nb + b] = sum;
@@ -159,16 +158,9 @@ void linear_rows16_bf16_avx2(const uint16_t* x, const uint8_t* w, int fmt, const
   float* buf = static_cast<float*>(checked_aligned_alloc((M * K + M * nb) * 4));
   float* xs = buf + M * K;
   prepare_rows(x, M, K, buf, xs);
-  constexpr int64_t kGroupsPerItem = 2;  // 32 rows, as the other 16-row kernels
-  const int64_t groups = N / kGroup;
-  parallel_for((groups + kGroupsPerItem - 1) / kGroupsPerItem, nthreads, [&](int64_t item) {
-    const int64_t g0 = item * kGroupsPerItem;
-    const int64_t g1 = g0 + kGroupsPerItem < groups ? g0 + kGroupsPerItem : groups;
-    for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-      const int tile = M - m0 < kTile ? static_cast<int>(M - m0) : kTile;
-      (fmt == kQ4_1 ? tile_for<kQ4_1>(tile) : tile_for<kQ4_0>(tile))(
-          w, buf, xs, nb, m0, g0, g1, bias, b_dt, out, N);
-    }
+  rows16_parallel(N, M, nthreads, [&](int64_t g0, int64_t g1, int64_t m0, int tile) {
+    (fmt == kQ4_1 ? tile_for<kQ4_1>(tile) : tile_for<kQ4_0>(tile))(
+        w, buf, xs, nb, m0, g0, g1, bias, b_dt, out, N);
   });
   free(buf);
 }

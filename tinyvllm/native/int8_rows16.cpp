@@ -21,27 +21,18 @@
 // After the target pragma: its inline AVX-512 functions compile for that target.
 #include "avx512_math.h"
 #include "int8_act.h"
+#include "rows16_kernels.h"
 
 namespace tv {
 
 namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 4;
-constexpr int kGroup = 16;  // rows per group: one per int32 lane of a zmm
+constexpr int kGroup = kRows16Group;  // one row per int32 lane of a zmm
 
 int64_t gguf_block_bytes(int fmt) { return fmt == kQ4_1 ? 20 : fmt == kQ4_0 ? 18 : 34; }
 
-// Input rows rounded to int8: q [M][K] in order; per block dx, the integer sum's start s0 and
-// (Q4_1) m's factor sx = dx S, each [M][K / 32].
-struct ActRows {
-  int8_t* q;
-  float* dx;
-  float* sx;
-  int32_t* s0;
-  int64_t K, nb;
-};
-
-void quantize_rows(const void* x, int x_dt, int fmt, int M, ActRows& a) {
+void quantize_rows(const void* x, int x_dt, int fmt, int M, Int8Rows& a) {
   const int32_t offset = fmt == kQ4_0 ? -8 : fmt == kQ8_0 ? -128 : 0;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < a.nb; ++b) {
@@ -62,7 +53,7 @@ inline __m512i bcast4(const int8_t* p) {
 // The sums of block b of one group (16 rows, at p) for input rows m0 .. m0 + M into acc.
 template <int Fmt, int M>
 __attribute__((always_inline)) inline void group_block(const uint8_t* p, int64_t b,
-                                                       const ActRows& a, int64_t m0,
+                                                       const Int8Rows& a, int64_t m0,
                                                        __m512 (&acc)[M]) {
   constexpr int kVecs = Fmt == kQ8_0 ? 8 : 4;
   constexpr int64_t kScales = 64 * kVecs;
@@ -111,7 +102,7 @@ inline void store16(void* out, int64_t i, __m512 v, const void* bias, int b_dt, 
 
 // Groups [g0, g1) against input rows m0 .. m0 + M; out [.][N] in x_dt.
 template <int Fmt, int M>
-void groups_tile(const uint8_t* w, const ActRows& a, int64_t m0, int64_t g0, int64_t g1,
+void groups_tile(const uint8_t* w, const Int8Rows& a, int64_t m0, int64_t g0, int64_t g1,
                  const void* bias, int b_dt, void* out, int64_t N, int dt) {
   constexpr int64_t kBlock = kGroup * (Fmt == kQ4_1 ? 20 : Fmt == kQ4_0 ? 18 : 34);
   for (int64_t g = g0; g < g1; ++g) {
@@ -130,7 +121,7 @@ void groups_tile(const uint8_t* w, const ActRows& a, int64_t m0, int64_t g0, int
   }
 }
 
-using TileFn = void (*)(const uint8_t*, const ActRows&, int64_t, int64_t, int64_t, const void*,
+using TileFn = void (*)(const uint8_t*, const Int8Rows&, int64_t, int64_t, int64_t, const void*,
                         int, void*, int64_t, int);
 
 template <int Fmt>
@@ -153,27 +144,11 @@ TileFn tile_fn(int fmt, int M) {
 void linear_rows16_int8_avx512(const void* x, int x_dt, const uint8_t* w, int fmt,
                                const void* bias, int b_dt, void* out, int M, int64_t N, int64_t K,
                                int nthreads) {
-  ActRows a{nullptr, nullptr, nullptr, nullptr, K, K / 32};
-  const int64_t scales = M * a.nb;
-  char* buf = static_cast<char*>(checked_aligned_alloc(M * K + 12 * scales));
-  a.q = reinterpret_cast<int8_t*>(buf);
-  a.dx = reinterpret_cast<float*>(buf + M * K);  // K % 32 == 0: 4-byte aligned
-  a.sx = a.dx + scales;
-  a.s0 = reinterpret_cast<int32_t*>(a.sx + scales);
+  Int8Rows a(M, K);
   quantize_rows(x, x_dt, fmt, M, a);
-  // Items of 2 groups (32 rows: the weight bytes stay in L1 while every tile of 4 input rows
-  // passes over them).
-  constexpr int64_t kGroupsPerItem = 2;
-  const int64_t groups = N / kGroup;
-  parallel_for((groups + kGroupsPerItem - 1) / kGroupsPerItem, nthreads, [&](int64_t item) {
-    const int64_t g0 = item * kGroupsPerItem;
-    const int64_t g1 = g0 + kGroupsPerItem < groups ? g0 + kGroupsPerItem : groups;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int tile = M - m0 < 4 ? static_cast<int>(M - m0) : 4;
-      tile_fn(fmt, tile)(w, a, m0, g0, g1, bias, b_dt, out, N, x_dt);
-    }
+  rows16_parallel(N, M, nthreads, [&](int64_t g0, int64_t g1, int64_t m0, int tile) {
+    tile_fn(fmt, tile)(w, a, m0, g0, g1, bias, b_dt, out, N, x_dt);
   });
-  free(buf);
 }
 
 }  // namespace tv

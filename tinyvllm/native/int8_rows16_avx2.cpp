@@ -16,18 +16,17 @@
 
 #include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
+#include "rows16_kernels.h"
 
 namespace tv {
 
 namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 4;
-constexpr int kGroup = 16;
-constexpr int kTile = 4;  // input rows per pass over a group's weights
+constexpr int kGroup = kRows16Group;
 
 constexpr int64_t group_block_bytes(int fmt) {
   return kGroup * (fmt == kQ4_1 ? 20 : fmt == kQ4_0 ? 18 : 34);
@@ -74,17 +73,8 @@ void act_block(const void* x, int x_dt, int64_t off, int8_t* q, float* dx, int32
                                      _mm256_add_epi32(qi[2], qi[3])));
 }
 
-// Input rows rounded to int8: q [M][K] in order; per block dx, Q4_1's sx = dx S and Q4_0's
-// integer start s0 = -8 S, each [M][K / 32].
-struct ActRows {
-  int8_t* q;
-  float* dx;
-  float* sx;
-  int32_t* s0;
-  int64_t K, nb;
-};
-
-void quantize_rows(const void* x, int x_dt, int fmt, int M, ActRows& a) {
+// Q4_0's integer sums start at -8 S; Q8_0's weights are signed here (no offset).
+void quantize_rows(const void* x, int x_dt, int fmt, int M, Int8Rows& a) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < a.nb; ++b) {
       const int64_t i = m * a.nb + b;
@@ -141,7 +131,7 @@ inline __m256i q8_dot(const uint8_t* p, const int8_t* xq) {
 // (acc[m][h]: rows 8 h .. 8 h + 8).
 template <int Fmt, int M>
 __attribute__((always_inline)) inline void group_block(const uint8_t* p, int64_t b,
-                                                       const ActRows& a, int64_t m0,
+                                                       const Int8Rows& a, int64_t m0,
                                                        __m256 (&acc)[M][2]) {
   constexpr int64_t kScales = Fmt == kQ8_0 ? 512 : 256;
   rows16_prefetch(p, group_block_bytes(Fmt));
@@ -178,7 +168,7 @@ inline void store8(void* out, int64_t i, __m256 v, const void* bias, int b_dt, i
 
 // Groups [g0, g1) against input rows m0 .. m0 + M; out [.][N] in dtype dt.
 template <int Fmt, int M>
-void groups_tile(const uint8_t* w, const ActRows& a, int64_t m0, int64_t g0, int64_t g1,
+void groups_tile(const uint8_t* w, const Int8Rows& a, int64_t m0, int64_t g0, int64_t g1,
                  const void* bias, int b_dt, void* out, int64_t N, int dt) {
   constexpr int64_t kBlock = group_block_bytes(Fmt);
   // One input row: even and odd blocks in separate accumulators (the FMA chain would bound
@@ -204,7 +194,7 @@ void groups_tile(const uint8_t* w, const ActRows& a, int64_t m0, int64_t g0, int
   }
 }
 
-using TileFn = void (*)(const uint8_t*, const ActRows&, int64_t, int64_t, int64_t, const void*,
+using TileFn = void (*)(const uint8_t*, const Int8Rows&, int64_t, int64_t, int64_t, const void*,
                         int, void*, int64_t, int);
 
 template <int Fmt>
@@ -227,27 +217,11 @@ TileFn tile_fn(int fmt, int M) {
 void linear_rows16_int8_avx2(const void* x, int x_dt, const uint8_t* w, int fmt,
                              const void* bias, int b_dt, void* out, int M, int64_t N, int64_t K,
                              int nthreads) {
-  ActRows a{nullptr, nullptr, nullptr, nullptr, K, K / 32};
-  const int64_t scales = M * a.nb;
-  char* buf = static_cast<char*>(checked_aligned_alloc(M * K + 12 * scales));
-  a.q = reinterpret_cast<int8_t*>(buf);
-  a.dx = reinterpret_cast<float*>(buf + M * K);  // K % 32 == 0: 4-byte aligned
-  a.sx = a.dx + scales;
-  a.s0 = reinterpret_cast<int32_t*>(a.sx + scales);
+  Int8Rows a(M, K);
   quantize_rows(x, x_dt, fmt, M, a);
-  // Items of 2 groups (32 rows: the weight bytes stay in L1 while every tile of input rows
-  // passes over them).
-  constexpr int64_t kGroupsPerItem = 2;
-  const int64_t groups = N / kGroup;
-  parallel_for((groups + kGroupsPerItem - 1) / kGroupsPerItem, nthreads, [&](int64_t item) {
-    const int64_t g0 = item * kGroupsPerItem;
-    const int64_t g1 = g0 + kGroupsPerItem < groups ? g0 + kGroupsPerItem : groups;
-    for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-      const int tile = M - m0 < kTile ? static_cast<int>(M - m0) : kTile;
-      tile_fn(fmt, tile)(w, a, m0, g0, g1, bias, b_dt, out, N, x_dt);
-    }
+  rows16_parallel(N, M, nthreads, [&](int64_t g0, int64_t g1, int64_t m0, int tile) {
+    tile_fn(fmt, tile)(w, a, m0, g0, g1, bias, b_dt, out, N, x_dt);
   });
-  free(buf);
 }
 
 }  // namespace tv

@@ -92,7 +92,7 @@ def runnable_elsewhere(
 ) -> int | None:
     """Tasks of other processes that are runnable right now (running or waiting for a core):
     the kernel's count in /proc/loadavg less this process's own runnable threads (Linux; None
-    elsewhere). ~20 us plus ~5 us per thread of this process."""
+    elsewhere). ~0.1 ms with a dozen threads."""
     try:
         running = int(loadavg.read_text().split()[3].split("/")[0])
         own = 0
@@ -100,7 +100,7 @@ def runnable_elsewhere(
             with open(os.path.join(task.path, "stat"), "rb") as f:
                 stat = f.read()
             # The state follows the command name, which is in parentheses and may hold any.
-            own += stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R"
+            own += stat[stat.rindex(b")") + 2] == ord("R")
     except (OSError, ValueError, IndexError):
         return None
     return max(0, running - own)
