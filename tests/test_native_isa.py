@@ -98,3 +98,31 @@ def test_block_rows_on_avx512_match_avx2_and_ignore_the_batch(lib) -> None:
             [QuantKernels(lib, 1).gemv(x[i : i + 1], fmt, weight, rows) for i in range(11)]
         )
         assert torch.equal(out[AVX512], alone), fmt
+
+
+FOUNDATION_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.skipif(not cpu_flags() >= FOUNDATION_FLAGS, reason="CPU without AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx512_foundation_gemv_matches_fp32_and_ignores_the_batch(lib, dtype) -> None:
+    """gemv_avx512f.cpp: 16 columns per FMA where the CPU has AVX-512 without (or besides)
+    BF16 dot products: fp32 activations against bf16 or fp32 rows (on AVX512-BF16 CPUs bf16
+    activations take vdpbf16ps instead, so fp32 ones reach this kernel everywhere)."""
+    gen = torch.Generator().manual_seed(4)
+    for k in (576, 600, 31, 1536):  # whole 16-column steps, a scalar tail, a tail only
+        w = torch.randn(77, k, generator=gen).to(dtype)
+        b = torch.randn(77, generator=gen)
+        x = torch.randn(19, k, generator=gen)
+        want = torch.nn.functional.linear(x, w.float(), b)
+        got = {}
+        for isa in (AVX2, 0):
+            lib.tv_set_isa(isa)
+            got[isa] = NativeCpuOps(lib, 2).linear(x, w, b)
+            bound = 1e-5 * (x.abs() @ w.float().abs().t()) + 1e-6
+            assert ((got[isa] - want).abs() <= bound).all(), (k, isa)
+        # The AVX2 kernel sums 8 lanes, this one 16: another order, values within rounding.
+        assert not torch.equal(got[AVX2], got[0]) or k == 31
+        alone = torch.cat([NativeCpuOps(lib, 1).linear(x[i : i + 1], w, b) for i in range(19)])
+        assert torch.equal(got[0], alone), k
+        assert torch.equal(NativeCpuOps(lib, 3).linear(x, w, b), alone), k

@@ -329,10 +329,12 @@ def test_a_long_step_without_idle_counts_who_wants_a_core_now(
         assert not seen  # every look was taken
         return threads
 
-    assert long_step(1, 1) == 1  # a busy program holds a core
+    assert long_step(*[1] * cpu.RUNNABLE_LOOKS) == 1  # a busy program holds a core
     assert long_step(0) == full  # nobody else: one look
     assert long_step(1, 0) == full  # gone at the second look
-    assert long_step(2, 2) == 1
+    assert long_step(2, 1, 0) == full  # tasks about to sleep after the last step
+    assert long_step(2, 2, 2, 2) == 1
+    assert long_step(1, 1, 1, 2) == 1  # the fewest count
     assert long_step(tokens=cpu.RUNNABLE_PROBE_TOKENS - 1) == full  # short: no look
     native.step_threads.prefers_alone = True  # the decode steps run alone: so does it
     assert long_step() == 1  # (load outside this machine's view shows in their times only)

@@ -375,6 +375,8 @@ namespace {
 // 0: not probed yet; else the level in use (kIsaAvx2 / kIsaAvx512). Set by the first call,
 // or by tv_set_isa (tests compare the two paths on one machine).
 std::atomic<int> g_isa{0};
+// Set by tv_set_isa(kIsaAvx2): the AVX-512 Foundation kernels stay off too.
+std::atomic<bool> g_avx2_only{false};
 
 int best_isa() {
   __builtin_cpu_init();
@@ -385,6 +387,15 @@ int best_isa() {
 }
 
 }  // namespace
+
+bool avx512_foundation() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return has && !g_avx2_only.load(std::memory_order_relaxed);
+}
 
 int isa_level() {
   int level = g_isa.load(std::memory_order_relaxed);
@@ -403,5 +414,6 @@ extern "C" int tv_set_isa(int level) {
   const int best = tv::best_isa();
   const int use = level == tv::kIsaAvx2 ? tv::kIsaAvx2 : best;
   tv::g_isa.store(use, std::memory_order_relaxed);
+  tv::g_avx2_only.store(level == tv::kIsaAvx2, std::memory_order_relaxed);
   return use;
 }

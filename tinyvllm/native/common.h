@@ -30,6 +30,13 @@ void parallel_run(int64_t n, int nthreads, RangeFn fn, void* ctx);
 constexpr int kIsaAvx2 = 1;
 constexpr int kIsaAvx512 = 2;
 int isa_level();
+// AVX-512 F/BW/VL/DQ (without BF16 perhaps), unless tv_set_isa asked for AVX2 only.
+bool avx512_foundation();
+// tv_linear's GEMV on AVX-512 Foundation (gemv_avx512f.cpp), fp32 activations.
+void gemv_avx512f(const uint16_t* w, const float* x, int M, int64_t K, int64_t n0, int64_t n1,
+                  int64_t N, float* acc);
+void gemv_avx512f(const float* w, const float* x, int M, int64_t K, int64_t n0, int64_t n1,
+                  int64_t N, float* acc);
 
 // bf16 rows [n0, n1) of w [N][K] against M <= 8 bf16 activation rows x [M][K] (vdpbf16ps):
 // row n's sums land in acc[(n - n0) * M + m]. AVX-512 BF16 only.

@@ -192,6 +192,7 @@ void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bia
     return linear_bf16_avx512(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
                               bias, b_dt, static_cast<uint16_t*>(out), M, N, K, nthreads);
   float* xf = to_f32(x, static_cast<int64_t>(M) * K, x_dt);
+  const bool wide = avx512_foundation();  // 16 columns per FMA (gemv_avx512f.cpp)
   const int64_t nchunks = (N + kChunk - 1) / kChunk, ntiles = (M + 7) / 8;
   parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {
     const int m0 = static_cast<int>(item / nchunks) * 8;
@@ -199,7 +200,11 @@ void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bia
     const float* xt = xf + static_cast<int64_t>(m0) * K;
     const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
     alignas(32) float acc[kChunk * 8];  // [row][tile]
-    if (w_dt)
+    if (w_dt && wide)
+      gemv_avx512f(static_cast<const uint16_t*>(w), xt, tile, K, n0, n1, N, acc);
+    else if (wide)
+      gemv_avx512f(static_cast<const float*>(w), xt, tile, K, n0, n1, N, acc);
+    else if (w_dt)
       gemv_dispatch(static_cast<const uint16_t*>(w), xt, tile, K, n0, n1, N, acc);
     else
       gemv_dispatch(static_cast<const float*>(w), xt, tile, K, n0, n1, N, acc);
