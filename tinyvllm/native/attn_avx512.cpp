@@ -1,5 +1,5 @@
-// AVX-512 variant of tv_paged_decode (cpu_kernels.cpp calls it when tv::isa_level() says the
-// CPU has AVX-512, the AMX kernel in attn_amx.cpp declined, and the shape fits: head_dim a
+// AVX-512 variant of tv_paged_decode (cpu_kernels.cpp calls it when the CPU has AVX-512
+// F/BW/VL/DQ (tv::avx512_foundation(); BF16 not needed), the AMX kernel in attn_amx.cpp declined, and the shape fits: head_dim a
 // multiple of 16 up to 256, at most 16 query heads per KV head). Same two-pass softmax in fp32 as the AVX2 kernel; only the summation
 // order differs (and exp is avx512_math.h's polynomial, within about an ulp of expf).
 //

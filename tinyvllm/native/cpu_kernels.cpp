@@ -329,7 +329,8 @@ void tv_paged_decode(const void* q, int64_t q_stride, void* out, int dt, int64_t
                       bt_stride, kv, num_blocks, block_size, hq, hkv, head_dim, scale, window,
                       softcap, nthreads};
   if (isa_level() == kIsaAvx512 && paged_decode_amx(a)) return;
-  if (isa_level() == kIsaAvx512 && paged_decode_avx512_fits(hq, hkv, head_dim)) {
+  // No BF16 instruction in it: every CPU with AVX-512 F/BW/VL/DQ takes it.
+  if (avx512_foundation() && paged_decode_avx512_fits(hq, hkv, head_dim)) {
     paged_decode_avx512(a);
     return;
   }
