@@ -1,10 +1,10 @@
 """GGUF matrices repacked 16 rows at a time (tinyvllm/native/rows16_layout.cpp): the
 int8-activation GEMVs (int8_rows16.cpp, int8_rows16_avx2.cpp) against the torch reference of
 their arithmetic (test_native_int8.py), the exact bf16 GEMVs (bf16_rows16.cpp,
-bf16_rows16_avx2.cpp) against fp32 products and the file layout's kernel, and the layout's
-other readers: dequantized rows and embedding lookups give the file layout's bits. The engine
-repacks where a GEMV reads the layout. The kernels of the CPU's best instruction set and the
-AVX2 ones are each tested."""
+bf16_rows16_avx2.cpp, bf16_rows16_avx512f.cpp) against fp32 products and the file layout's
+kernel, and the layout's other readers: dequantized rows and embedding lookups give the file
+layout's bits. The engine repacks where a GEMV reads the layout. The kernels of the CPU's best
+instruction set and the AVX2 ones are each tested."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ from tinyvllm.native.abi import (
 )
 from tinyvllm.native.build import load_library, unsupported_reason
 from tinyvllm.native.quant_ops import QuantKernels
+from tinyvllm.utils.cpu import cpu_flags
+
+AVX512_FOUNDATION = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
 pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
@@ -43,8 +46,8 @@ def kernels() -> QuantKernels:
 @pytest.fixture(params=["best", "avx2"])
 def isa(request: pytest.FixtureRequest, kernels: QuantKernels) -> Iterator[str]:
     """The kernels of the CPU's best instruction set, then the AVX2 ones (the same layout)."""
-    level = kernels.lib.tv_set_isa(0 if request.param == "best" else 1)
-    if request.param == "best" and level == 1:
+    kernels.lib.tv_set_isa(0 if request.param == "best" else 1)
+    if request.param == "best" and not cpu_flags() >= AVX512_FOUNDATION:
         pytest.skip("AVX2 is this CPU's best: the avx2 case covers it")
     yield request.param
     kernels.lib.tv_set_isa(0)
@@ -131,6 +134,31 @@ def test_exact_rows16_gemv_is_the_file_kernels_arithmetic(
     xf = torch.randn(3, k, generator=gen)
     assert torch.equal(kernels.gemv(xf, fmt | FORMAT_ROWS16, packed, rows),
                        kernels.gemv(xf, fmt, blocks, rows))  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not cpu_flags() >= AVX512_FOUNDATION or "avx512_bf16" in cpu_flags(),
+    reason="the AVX-512 Foundation kernel runs on AVX-512 CPUs without BF16",
+)
+@pytest.mark.parametrize("fmt", [FORMAT_Q4_0, FORMAT_Q4_1], ids=["Q4_0", "Q4_1"])
+def test_exact_rows16_on_avx512_foundation_is_the_avx2_kernels_bits(
+    kernels: QuantKernels, fmt: int
+) -> None:
+    """bf16_rows16_avx512f.cpp: one register per group of 16 rows, each lane running the
+    AVX2 kernel's operations in the same order, so the same bits."""
+    gen = torch.Generator().manual_seed(fmt + 7)
+    rows, k = 96, 1536
+    packed = kernels.repack_rows16(fmt, random_blocks(fmt, rows, k, gen), k)
+    bias = torch.randn(rows, generator=gen).bfloat16()
+    x = torch.randn(9, k, generator=gen).bfloat16()
+    got = {}
+    try:
+        for level in (1, 0):
+            kernels.lib.tv_set_isa(level)
+            got[level] = kernels.gemv(x, fmt | FORMAT_ROWS16, packed, rows, bias)
+    finally:
+        kernels.lib.tv_set_isa(0)
+    assert torch.equal(got[0], got[1])
 
 
 def test_repack_refuses_a_partial_group(kernels: QuantKernels) -> None:

@@ -1,6 +1,7 @@
 // AVX-512 variant of tv_paged_decode (cpu_kernels.cpp calls it when the CPU has AVX-512
-// F/BW/VL/DQ (tv::avx512_foundation(); BF16 not needed), the AMX kernel in attn_amx.cpp declined, and the shape fits: head_dim a
-// multiple of 16 up to 256, at most 16 query heads per KV head). Same two-pass softmax in fp32 as the AVX2 kernel; only the summation
+// F/BW/VL/DQ (tv::avx512_foundation(); BF16 not needed), the AMX kernel in attn_amx.cpp
+// declined, and the shape fits: head_dim a multiple of 16 up to 256, at most 16 query heads
+// per KV head). Same two-pass softmax in fp32 as the AVX2 kernel; only the summation
 // order differs (and exp is avx512_math.h's polynomial, within about an ulp of expf).
 //
 // Why: the AVX2 kernel reduced every (key, query head) dot product across the vector on its

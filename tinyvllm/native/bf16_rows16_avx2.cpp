@@ -35,28 +35,7 @@ namespace {
 constexpr int kQ4_0 = 2, kQ4_1 = 3;
 constexpr int kGroup = kRows16Group;
 
-// Weight position n (0..7) of a layout vector: its column in the vector's 8 and its bit.
-constexpr int kCol[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-constexpr int kShift[8] = {0, 4, 8, 12, 16, 20, 24, 28};
-// The activations' factor 2^-shift; the top nibble is shifted down to bit 0 instead.
-constexpr float kScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
-
-// Activation rows as the kernel reads them: xp [M][nb][32] fp32, block b's weight position n
-// of vector j at 8 j + n, pre-scaled by 2^-shift (the top nibble by 1); xs [M][nb] the
-// blocks' fp32 sums (in column order, as the file layout's kernels sum them).
-void prepare_rows(const uint16_t* x, int M, int64_t K, float* xp, float* xs) {
-  const int64_t nb = K / 32;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint16_t* src = x + m * K + 32 * b;
-      float* dst = xp + (m * nb + b) * 32;
-      for (int j = 0; j < 4; ++j)
-        for (int n = 0; n < 8; ++n) dst[8 * j + n] = bf16_to_f32(src[8 * j + kCol[n]]) * kScale[n];
-      float sum = 0.0f;
-      for (int i = 0; i < 32; ++i) sum += bf16_to_f32(src[i]);
-      xs[m * nb + b] = sum;
-    }
-}
+constexpr int kShift[8] = {0, 4, 8, 12, 16, 20, 24, 28};  // weight position n's bit
 
 // q * 2^shift of weight position n for the 8 rows of lane vector v, as floats.
 template <int N>
@@ -151,13 +130,35 @@ TileFn tile_for(int M) {
 
 }  // namespace
 
+// Activation rows as the exact kernels read them: xp [M][nb][32] fp32, block b's weight
+// position n of vector j at 8 j + n, pre-scaled by 2^-shift (the top nibble by 1); xs [M][nb]
+// the blocks' fp32 sums (in column order, as the file layout's kernels sum them).
+void rows16_exact_rows(const uint16_t* x, int M, int64_t K, float* xp, float* xs) {
+  // Weight position n (0..7) of a layout vector: its column in the vector's 8, and the
+  // activation's factor 2^-shift (the top nibble is shifted down to bit 0 instead).
+  constexpr int kCol[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  constexpr float kScale[8] = {1.0f,     0x1p-4f,  0x1p-8f,  0x1p-12f,
+                               0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+  const int64_t nb = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint16_t* src = x + m * K + 32 * b;
+      float* dst = xp + (m * nb + b) * 32;
+      for (int j = 0; j < 4; ++j)
+        for (int n = 0; n < 8; ++n) dst[8 * j + n] = bf16_to_f32(src[8 * j + kCol[n]]) * kScale[n];
+      float sum = 0.0f;
+      for (int i = 0; i < 32; ++i) sum += bf16_to_f32(src[i]);
+      xs[m * nb + b] = sum;
+    }
+}
+
 void linear_rows16_bf16_avx2(const uint16_t* x, const uint8_t* w, int fmt, const void* bias,
                              int b_dt, uint16_t* out, int M, int64_t N, int64_t K,
                              int nthreads) {
   const int64_t nb = K / 32;
   float* buf = static_cast<float*>(checked_aligned_alloc((M * K + M * nb) * 4));
   float* xs = buf + M * K;
-  prepare_rows(x, M, K, buf, xs);
+  rows16_exact_rows(x, M, K, buf, xs);
   rows16_parallel(N, M, nthreads, [&](int64_t g0, int64_t g1, int64_t m0, int tile) {
     (fmt == kQ4_1 ? tile_for<kQ4_1>(tile) : tile_for<kQ4_0>(tile))(
         w, buf, xs, nb, m0, g0, g1, bias, b_dt, out, N);

@@ -45,6 +45,7 @@ SOURCES = (
     Path(__file__).with_name("int8_rows16_avx2.cpp"),
     Path(__file__).with_name("bf16_rows16.cpp"),
     Path(__file__).with_name("bf16_rows16_avx2.cpp"),
+    Path(__file__).with_name("bf16_rows16_avx512f.cpp"),
     Path(__file__).with_name("attn_avx512.cpp"),
     Path(__file__).with_name("attn_amx.cpp"),
     Path(__file__).with_name("prefill_attn_amx.cpp"),

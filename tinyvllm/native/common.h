@@ -105,6 +105,9 @@ void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void
 void linear_rows16_bf16_avx512(const uint16_t* x, const uint8_t* w, int fmt, const void* bias,
                                int b_dt, uint16_t* out, int M, int64_t N, int64_t K,
                                int nthreads);
+void linear_rows16_bf16_avx512f(const uint16_t* x, const uint8_t* w, int fmt, const void* bias,
+                                int b_dt, uint16_t* out, int M, int64_t N, int64_t K,
+                                int nthreads);
 void linear_rows16_bf16_avx2(const uint16_t* x, const uint8_t* w, int fmt, const void* bias,
                              int b_dt, uint16_t* out, int M, int64_t N, int64_t K,
                              int nthreads);

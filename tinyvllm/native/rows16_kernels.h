@@ -28,6 +28,10 @@ void rows16_parallel(int64_t N, int M, int nthreads, F&& fn) {
   });
 }
 
+// The exact kernels' activation rows (bf16_rows16_avx2.cpp): xp [M][K] reordered to the
+// layout's weight positions and pre-scaled, xs [M][K / 32] the blocks' sums.
+void rows16_exact_rows(const uint16_t* x, int M, int64_t K, float* xp, float* xs);
+
 // Input rows rounded to int8 for the int8 kernels: q [M][K] in order; per block dx, Q4_1's
 // factor sx = dx S and the integer sum's start s0, each [M][K / 32]. One allocation, freed with
 // the object.

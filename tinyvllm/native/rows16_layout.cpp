@@ -87,6 +87,8 @@ void linear_rows16_bf16(const uint16_t* x, const uint8_t* w, int fmt, const void
                         uint16_t* out, int M, int64_t N, int64_t K, int nthreads) {
   if (isa_level() == kIsaAvx512)
     return linear_rows16_bf16_avx512(x, w, fmt, bias, b_dt, out, M, N, K, nthreads);
+  if (avx512_foundation())  // AVX-512 without BF16: the AVX2 kernel's bits, 16 lanes
+    return linear_rows16_bf16_avx512f(x, w, fmt, bias, b_dt, out, M, N, K, nthreads);
   linear_rows16_bf16_avx2(x, w, fmt, bias, b_dt, out, M, N, K, nthreads);
 }
 
