@@ -299,6 +299,17 @@ def test_a_long_step_after_idle_counts_what_others_used(monkeypatch: pytest.Monk
     assert after_idle(20, 40, own_s=0.2) == full  # the busy core was ours (before the spell)
     assert after_idle(2, 4) == full  # too few ticks to tell: the steps' choice
 
+    # A long spell: the average is old; who is runnable now must agree before it costs
+    # threads (the program may have exited). A short spell keeps the average (the test's
+    # runnable count is 0 throughout, so the cases above show that).
+    clock["ns"] += cpu.IDLE_SPELL_STALE_NS
+    busy_now = {"n": 0}
+    monkeypatch.setattr(cpu, "runnable_elsewhere", lambda: busy_now["n"])
+    assert after_idle(20, 40) == full  # it held a core, and has gone
+    busy_now["n"] = 1
+    assert after_idle(20, 40) == 1  # still there
+    assert after_idle(38, 40) == full  # idle spell: no look needed
+
 
 def test_a_long_step_without_idle_counts_who_wants_a_core_now(
     monkeypatch: pytest.MonkeyPatch,

@@ -59,6 +59,10 @@ HEAP_RELEASE_AFTER_TOKENS = 256
 # per CPU), to choose its thread count.
 IDLE_PROBE_NS = 100_000_000
 IDLE_PROBE_MIN_TICKS = 10
+# A spell longer than this is an old average: where it says another program held a core, a
+# look at who is runnable now must agree (seen: a benchmark peer that ran for minutes and had
+# just exited cost the next 4,096-token prefill half its threads, 2.6x its time).
+IDLE_SPELL_STALE_NS = 2_000_000_000
 # Long steps from this many tokens on, without an idle spell before them, count the runnable
 # tasks of other programs (/proc, ~0.1-0.3 ms: under 1% of such a step even with AMX).
 RUNNABLE_PROBE_TOKENS = 256
@@ -209,6 +213,13 @@ class CpuPlatform(Platform):
             # spinning threads with a core taken ran a 16 x 32-token prefill 10x slower).
             threads = self.torch_threads.threads
             busy = self._cpus_busy_while_idle()
+            if (
+                busy is not None
+                and busy > 0.25
+                and time.perf_counter_ns() - self._finish_ns > IDLE_SPELL_STALE_NS
+            ):
+                now = self._runnable_elsewhere_now()
+                busy = busy if now is None else min(busy, now)
             if busy is None:
                 threads = 1 if self.native.step_threads.prefers_alone else threads
                 if threads == 1 or num_tokens < RUNNABLE_PROBE_TOKENS:
