@@ -61,7 +61,7 @@ IDLE_PROBE_NS = 100_000_000
 IDLE_PROBE_MIN_TICKS = 10
 # A spell longer than this is an old average: where it says another program held a core, a
 # look at who is runnable now must agree (seen: a benchmark peer that ran for minutes and had
-# just exited cost the next 4,096-token prefill half its threads, 2.6x its time).
+# just exited cost the next 4,096-token prefill half its threads, 1.9x its time).
 IDLE_SPELL_STALE_NS = 2_000_000_000
 # Long steps from this many tokens on, without an idle spell before them, count the runnable
 # tasks of other programs (/proc, ~0.1-0.3 ms: under 1% of such a step even with AMX).
