@@ -378,22 +378,21 @@ std::atomic<int> g_isa{0};
 // Set by tv_set_isa(kIsaAvx2): the AVX-512 Foundation kernels stay off too.
 std::atomic<bool> g_avx2_only{false};
 
-int best_isa() {
+bool cpu_has_avx512_foundation() {
   __builtin_cpu_init();
-  const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                  __builtin_cpu_supports("avx512bf16");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+int best_isa() {
+  const bool ok = cpu_has_avx512_foundation() && __builtin_cpu_supports("avx512bf16");
   return ok ? kIsaAvx512 : kIsaAvx2;
 }
 
 }  // namespace
 
 bool avx512_foundation() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }();
+  static const bool has = cpu_has_avx512_foundation();
   return has && !g_avx2_only.load(std::memory_order_relaxed);
 }
 

@@ -60,6 +60,7 @@ HEADERS = (
     Path(__file__).with_name("omp_team.h"),
     Path(__file__).with_name("int8_act.h"),
     Path(__file__).with_name("rows16_kernels.h"),
+    Path(__file__).with_name("bf16_rows16_exact.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
 # No OpenMP: thread_pool.cpp is the library's own runtime (a second OpenMP next to torch's

@@ -1,5 +1,5 @@
 // What the GEMV kernels of the 16-row layout share (int8_rows16.cpp, int8_rows16_avx2.cpp,
-// bf16_rows16.cpp, bf16_rows16_avx2.cpp): how a call's work is split into items, and the int8
+// bf16_rows16.cpp, bf16_rows16_exact.h): how a call's work is split into items, and the int8
 // activation rows. Header-only: each kernel file compiles it for its own instruction set.
 #pragma once
 
