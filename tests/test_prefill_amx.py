@@ -3,15 +3,20 @@ torch's flash SDPA up to summation order, and the step paths that use it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import make_case, max_error, reference_attention
+from attention_cases import max_error
+from prefill_kernel_cases import (
+    attend_gapped_prompts,
+    backend_step,
+    chunks_after_context,
+    fused_qkv,
+    span_sdpa,
+)
 
-from tinyvllm.attention.prefill_amx import AmxPrefillAttention, AmxPromptBatch
+from tinyvllm.attention.prefill_amx import AmxPrefillAttention
+from tinyvllm.attention.prompt_batch import PromptBatch
 from tinyvllm.native.ops import NativeCpuOps
 
 
@@ -44,17 +49,8 @@ def _equal_prompts(
     starts = torch.arange(0, n * length, length, dtype=torch.int64)
     lens = torch.full((n,), length, dtype=torch.int64)
     out = torch.empty(q.shape, dtype=q.dtype)
-    kernel.attend(q, k, v, out, AmxPromptBatch([], starts, lens, length), scale)
+    kernel.attend(q, k, v, out, PromptBatch([], starts, lens, length), scale)
     return out
-
-
-def _fused_qkv(
-    gen: torch.Generator, tokens: int, hq: int, hkv: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q / k / v as the model hands them over: head views of one fused projection's rows."""
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * 64, generator=gen).mul(2).to(torch.bfloat16)
-    q, k, v = qkv.split([hq * 64, hkv * 64, hkv * 64], dim=1)
-    return q.view(tokens, hq, 64), k.view(tokens, hkv, 64), v.view(tokens, hkv, 64)
 
 
 @pytest.mark.parametrize("scale", [0.125, 0.1])  # 0.1: the softmax's unfused scaling
@@ -71,7 +67,7 @@ def _fused_qkv(
 def test_kernel_matches_torch_flash_sdpa(
     kernel: AmxPrefillAttention, prompts: int, length: int, hq: int, hkv: int, scale: float
 ) -> None:
-    q, k, v = _fused_qkv(torch.Generator().manual_seed(length), prompts * length, hq, hkv)
+    q, k, v = fused_qkv(torch.Generator().manual_seed(length), prompts * length, hq, hkv)
     assert kernel.fits(q, k, v)
     out = _equal_prompts(kernel, q, k, v, length, scale)
 
@@ -92,7 +88,7 @@ def test_kernel_matches_torch_flash_sdpa(
 
 
 def test_kernel_takes_only_its_layout(kernel: AmxPrefillAttention) -> None:
-    q, k, v = _fused_qkv(torch.Generator().manual_seed(1), 32, 4, 2)
+    q, k, v = fused_qkv(torch.Generator().manual_seed(1), 32, 4, 2)
     assert not kernel.fits(q.float(), k.float(), v.float())
     assert not kernel.fits(q[:, :, :32], k[:, :, :32], v[:, :, :32])  # head_dim 32
     assert not kernel.fits(q[:, :3], k, v)  # 3 query heads on 2 KV heads
@@ -115,31 +111,11 @@ def test_kernel_attends_prompts_of_any_lengths_in_one_call(kernel: AmxPrefillAtt
     """One call over prompts of different lengths (a block of 16 rows, the 32-key padding and
     the 64-row items each left partly empty), with rows between them that are not its own:
     each prompt as flash SDPA computes it alone, the other rows untouched."""
-    lens = [1, 17, 64, 100, 300, 33]
-    gaps = [0, 2, 1, 0, 3, 1]  # rows before each prompt that belong to no prompt
-    starts, row = [], 0
-    for gap, length in zip(gaps, lens, strict=True):
-        starts.append(row + gap)
-        row += gap + length
-    q, k, v = _fused_qkv(torch.Generator().manual_seed(5), row, 9, 3)
-    out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
-    batch = AmxPromptBatch([], torch.tensor(starts), torch.tensor(lens), max(lens))
-    kernel.attend(q, k, v, out, batch, 0.125)
-    mine = torch.zeros(row, dtype=torch.bool)
-    for start, length in zip(starts, lens, strict=True):
-        mine[start : start + length] = True
+    q, k, v, out, prompts = attend_gapped_prompts(kernel)
+    for start, length in prompts.tolist():
         rows = slice(start, start + length)
         flash, exact = _flash_and_exact(q[rows], k[rows], v[rows], 0.125)
         assert max_error(out[rows], exact) <= max_error(flash, exact) * 1.5 + 1e-3
-    assert (out[~mine] == 7.0).all()
-
-
-@dataclass
-class _Span:
-    start: int
-    end: int
-    context_len: int
-    block_ids: torch.Tensor
 
 
 def test_kernel_continues_prompts_after_their_cached_tokens(kernel: AmxPrefillAttention) -> None:
@@ -150,35 +126,14 @@ def test_kernel_continues_prompts_after_their_cached_tokens(kernel: AmxPrefillAt
     hq, hkv, block_size, num_blocks = 9, 3, 16, 64
     cache = (torch.randn(2, num_blocks, block_size, hkv, 64, generator=gen) * 2).bfloat16()
     lens, contexts = [70, 33, 1, 40], [0, 150, 31, 16]
-    q, k, v = _fused_qkv(gen, sum(lens), hq, hkv)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    spans, row = [], 0
-    for length, ctx in zip(lens, contexts, strict=True):
-        nb = -(-(ctx + length) // block_size)
-        blocks, order = torch.tensor(order[:nb]), order[nb:]
-        for i in range(length):  # the chunk's K / V into the cache
-            pos = ctx + i
-            cache[0, blocks[pos // block_size], pos % block_size] = k[row + i]
-            cache[1, blocks[pos // block_size], pos % block_size] = v[row + i]
-        spans.append(_Span(row, row + length, ctx, blocks))
-        row += length
-    batch = AmxPromptBatch.build(spans)
+    q, k, v = fused_qkv(gen, sum(lens), hq, hkv)
+    spans = chunks_after_context(gen, cache, k, v, lens, contexts)
+    batch = PromptBatch.build(spans)
     assert batch is not None and kernel.fits_cache(cache, k)
     out = torch.zeros(q.shape, dtype=torch.bfloat16)
     kernel.attend(q, k, v, out, batch, 0.125, cache)
     for span in spans:
-        keys = span.context_len + span.end - span.start
-        ck = cache[0][span.block_ids].flatten(0, 1)[:keys]
-        cv = cache[1][span.block_ids].flatten(0, 1)[:keys]
-        q_pos = torch.arange(span.context_len, keys)
-        mask = q_pos[:, None] >= torch.arange(keys)[None, :]
-        args = [t.transpose(0, 1).unsqueeze(0) for t in (q[span.start : span.end], ck, cv)]
-        sdpa = F.scaled_dot_product_attention(*args, attn_mask=mask, scale=0.125, enable_gqa=True)[
-            0
-        ].transpose(0, 1)
-        exact = F.scaled_dot_product_attention(
-            *(t.double() for t in args), attn_mask=mask, scale=0.125, enable_gqa=True
-        )[0].transpose(0, 1)
+        sdpa, exact = span_sdpa(q, cache, span, 0.125, torch.bfloat16)
         got = out[span.start : span.end]
         assert max_error(got, exact) <= max_error(sdpa, exact) * 1.5 + 1e-3
 
@@ -202,38 +157,18 @@ def test_native_backend_attends_fresh_bf16_prompts_with_the_kernel(
     context_lens: tuple[int, ...],
     kernel_prompts: list[int],
 ) -> None:
-    import tinyvllm.attention.torch_attn as torch_attn
-    from tinyvllm.attention.cpu_native import NativeCpuAttentionBackend
-
-    monkeypatch.setattr(torch_attn, "has_native_bf16_matmul", lambda: True)
-    calls: list[int] = []
-    attend = AmxPrefillAttention.attend
-
-    def counting(self: AmxPrefillAttention, *args: Any) -> None:
-        calls.append(args[4].starts.shape[0])  # the number of prompts
-        attend(self, *args)
-
-    monkeypatch.setattr(AmxPrefillAttention, "attend", counting)
-    case = make_case(
-        torch.Generator().manual_seed(9),
-        query_lens=query_lens,
-        context_lens=context_lens,
-        head_dim=64,
-        dtype=torch.bfloat16,
+    out, reference, calls = backend_step(
+        monkeypatch, ops, AmxPrefillAttention, query_lens, context_lens, torch.bfloat16, True
     )
-    backend = NativeCpuAttentionBackend(ops)
-    cache = case.kv_cache.clone()
-    backend.plan(case.metadata)
-    out = backend.forward(case.layer, case.query, case.key, case.value, cache, case.metadata)
     assert calls == kernel_prompts
-    assert max_error(out, reference_attention(case, cache)) < 2e-2
+    assert max_error(out, reference) < 2e-2
 
 
 def test_torch_openmp_team_and_thread_pool_give_the_same_bits(kernel: AmxPrefillAttention) -> None:
     # The kernel runs its items on torch's OpenMP team (whose workers spin right after the
     # preceding GEMM) where it finds torch's runtime, else on the library's pool.
     assert kernel.omp_parallel is not None  # torch's CPU wheels run on OpenMP
-    q, k, v = _fused_qkv(torch.Generator().manual_seed(3), 4 * 96, 9, 3)
+    q, k, v = fused_qkv(torch.Generator().manual_seed(3), 4 * 96, 9, 3)
     pool = AmxPrefillAttention(kernel.lib, kernel.num_threads, None)
     assert torch.equal(
         _equal_prompts(kernel, q, k, v, 96, 0.125), _equal_prompts(pool, q, k, v, 96, 0.125)

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from tinyvllm.attention.backend import AttentionBackend, AttentionMetadata
 from tinyvllm.attention.layer import Attention
-from tinyvllm.attention.prefill_amx import AmxPrefillAttention, AmxPromptBatch
+from tinyvllm.attention.prefill_amx import AmxPrefillAttention
+from tinyvllm.attention.prefill_f32 import Fp32PrefillAttention
+from tinyvllm.attention.prompt_batch import PromptBatch
 from tinyvllm.native.ops import MAX_LINEAR_ROWS
 from tinyvllm.utils.cpu import has_native_bf16_matmul
 
@@ -63,9 +65,9 @@ class _TorchPlan:
     # context and no bidirectional span (e.g. a batch of equal prompts, or one long prompt):
     # causal layers then attend them as one batched SDPA call.
     uniform_len: int | None = None
-    # The prompts and chunks the AMX kernel may attend in one call (TorchAttentionBackend
-    # ._amx_prompts): those without a bidirectional span.
-    amx: AmxPromptBatch | None = None
+    # The prompts and chunks a native prefill kernel may attend in one call
+    # (TorchAttentionBackend._kernel_prompts): those without a bidirectional span.
+    prompts: PromptBatch | None = None
 
 
 # Decode queries are attended in groups of similar context length: each group pads only to its
@@ -77,17 +79,25 @@ _DECODE_GROUP_TOKENS = 8192
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    # The AMX kernel for steps of equal fresh prompts: looked up on first use from the native
-    # library of a subclass that has one (`ops`, NativeCpuAttentionBackend); False: none.
-    _amx_prefill: AmxPrefillAttention | bool | None = None
+    # The native prefill kernels (AMX for bf16 prefill, FMA for fp32), looked up on first use
+    # from the native library of a subclass that has one (`ops`, NativeCpuAttentionBackend).
+    _prompt_kernels: tuple[AmxPrefillAttention | None, Fp32PrefillAttention | None] | None = None
 
-    def _amx_prefill_kernel(self) -> AmxPrefillAttention | None:
-        kernel = self._amx_prefill
-        if kernel is None:
+    def _prompt_kernel(
+        self, prefill_dtype: torch.dtype
+    ) -> AmxPrefillAttention | Fp32PrefillAttention | None:
+        """The native kernel for prefill attention computed in `prefill_dtype` (None: none)."""
+        kernels = self._prompt_kernels
+        if kernels is None:
             ops = getattr(self, "ops", None)
-            kernel = None if ops is None else AmxPrefillAttention.load(ops.lib, ops.num_threads)
-            self._amx_prefill = kernel or False
-        return kernel or None
+            kernels = (None, None)
+            if ops is not None:
+                kernels = (
+                    AmxPrefillAttention.load(ops.lib, ops.num_threads),
+                    Fp32PrefillAttention.load(ops.lib, ops.num_threads),
+                )
+            self._prompt_kernels = kernels
+        return kernels[0] if prefill_dtype == torch.bfloat16 else kernels[1]
 
     def plan(self, metadata: AttentionMetadata) -> None:
         qsl = metadata.query_start_loc_cpu
@@ -133,8 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
             prefills,
             _uniform_len(prefills, decode_rows),
             # Only where a kernel can take them: other backends and CPUs skip the tensors.
-            AmxPromptBatch.build([span for span in prefills if not span.bidirectional])
-            if prefills and self._amx_prefill_kernel() is not None
+            PromptBatch.build([span for span in prefills if not span.bidirectional])
+            if prefills and getattr(self, "ops", None) is not None
             else None,
         )
 
@@ -172,6 +182,7 @@ class TorchAttentionBackend(AttentionBackend):
             group = plan.decode_groups[0]
             return self._decode(layer, query.to(compute_dtype), kv_cache, group).to(query.dtype)
         out = torch.empty_like(query)
+        q = None
         if plan.prefills:
             # With AVX512-BF16 / AMX, bf16 prefill SDPA is ~3x faster than fp32 (a 512-token
             # SmolLM2-135M head group: 0.9 vs 2.6 ms) and is what HF computes in bf16. Decode
@@ -185,9 +196,14 @@ class TorchAttentionBackend(AttentionBackend):
                 and has_native_bf16_matmul()
             ):
                 prefill_dtype = query.dtype
-            q = query.to(prefill_dtype)
-            key, value = key.to(prefill_dtype), value.to(prefill_dtype)
-            spans = self._amx_prompts(plan, layer, q, key, value, kv_cache, out)
+            spans = plan.prefills
+            if n > MAX_LINEAR_ROWS:
+                spans = self._kernel_prompts(
+                    plan, layer, query, key, value, kv_cache, out, prefill_dtype
+                )
+            if spans:
+                q = query.to(prefill_dtype)
+                key, value = key.to(prefill_dtype), value.to(prefill_dtype)
             uniform = plan.uniform_len
             if (
                 spans
@@ -199,40 +215,43 @@ class TorchAttentionBackend(AttentionBackend):
             for span in spans:
                 out[span.start : span.end] = self._prefill(layer, q, key, value, kv_cache, span)
         if plan.decode_groups:
-            q = q if plan.prefills and q.dtype == compute_dtype else query.to(compute_dtype)
+            q = q if q is not None and q.dtype == compute_dtype else query.to(compute_dtype)
             for group in plan.decode_groups:
                 out[group.token_idx] = self._decode(layer, q, kv_cache, group).to(out.dtype)
         return out
 
-    def _amx_prompts(
+    def _kernel_prompts(
         self,
         plan: _TorchPlan,
         layer: Attention,
-        q: torch.Tensor,
+        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         out: torch.Tensor,
+        prefill_dtype: torch.dtype,
     ) -> list[_PrefillSpan]:
         """Attend the step's prompts and chunks (plain causal, with or without cached context)
-        in one AMX kernel call where it runs; returns the spans left for `_prefill`.
+        in one native kernel call where one runs (AMX for bf16 prefill; FMA in fp32 on the
+        model's bf16 or fp32 rows otherwise); returns the spans left for `_prefill`.
 
         Why: otherwise each runs its own SDPA call, with an explicit mask and the context
         gathered from the cache when it has one: 64 prompts of 64-512 tokens prefilled at
-        ~3,500 tok/s that way against ~5,000 with the kernel, and a 300-token chunk after 200
-        cached tokens took ~18 ms a layer in SDPA."""
-        batch = plan.amx
-        if batch is None or q.dtype != torch.bfloat16 or out.stride(1) != out.shape[2]:
-            return plan.prefills
-        amx = self._amx_prefill_kernel()
+        ~3,500 tok/s that way against ~5,000 with the AMX kernel, and a 300-token chunk after
+        200 cached tokens took ~18 ms a layer in SDPA. In fp32 the kernel also skips the
+        copies of q / k / v to fp32 and back."""
+        batch = plan.prompts
+        kernel = self._prompt_kernel(prefill_dtype)
         if (
-            amx is None
-            or not amx.fits(q, key, value)
+            batch is None
+            or kernel is None
+            or out.stride(1) != out.shape[2]
+            or not kernel.fits(query, key, value)
             or not _plain_causal(layer, batch.longest_keys)
-            or (batch.context_lens is not None and not amx.fits_cache(kv_cache, key))
+            or (batch.context_lens is not None and not kernel.fits_cache(kv_cache, key))
         ):
             return plan.prefills
-        amx.attend(q, key, value, out, batch, layer.scale, kv_cache)
+        kernel.attend(query, key, value, out, batch, layer.scale, kv_cache)
         attended = {id(span) for span in batch.spans}
         return [span for span in plan.prefills if id(span) not in attended]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.
@@ -195,6 +195,35 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_prefill_attn_amx": (
             None,
             (_P, _P, _P, _P, _L, _P, _P, _P, _P, _L, _P, _P, _L, _L, _L, _L, _L, _L, _F, _I, _P),
+        ),
+        # prefill_attn_avx2.cpp
+        "tv_prefill_attn_f32": (
+            None,
+            (
+                _P,
+                _P,
+                _P,
+                _P,
+                _I,
+                _L,
+                _P,
+                _P,
+                _P,
+                _P,
+                _L,
+                _P,
+                _P,
+                _L,
+                _L,
+                _L,
+                _L,
+                _L,
+                _L,
+                _L,
+                _F,
+                _I,
+                _P,
+            ),
         ),
         # attn_amx.cpp
         "tv_set_decode_amx": (c_int, (_I,)),

@@ -49,6 +49,8 @@ SOURCES = (
     Path(__file__).with_name("attn_avx512.cpp"),
     Path(__file__).with_name("attn_amx.cpp"),
     Path(__file__).with_name("prefill_attn_amx.cpp"),
+    Path(__file__).with_name("prefill_attn_avx2.cpp"),
+    Path(__file__).with_name("prefill_attn_avx512f.cpp"),
     Path(__file__).with_name("amx_linear.cpp"),
 )
 HEADERS = (
@@ -61,6 +63,7 @@ HEADERS = (
     Path(__file__).with_name("int8_act.h"),
     Path(__file__).with_name("rows16_kernels.h"),
     Path(__file__).with_name("bf16_rows16_exact.h"),
+    Path(__file__).with_name("prefill_attn_f32.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.
 # No OpenMP: thread_pool.cpp is the library's own runtime (a second OpenMP next to torch's

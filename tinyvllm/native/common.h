@@ -13,7 +13,7 @@
 
 // The ABI this source tree exports (tinyvllm/native/abi.py declares it for ctypes: signatures,
 // struct layouts, codes). Bump both together on any change the Python side must follow.
-#define TV_ABI_VERSION 12
+#define TV_ABI_VERSION 13
 
 namespace tv {
 
