@@ -255,3 +255,41 @@ def test_row_kernels_keep_denormal_outputs(ops: NativeCpuOps) -> None:
     assert (ref_res[:2] != 0).any() and ref_res[:2].abs().max() < 1.2e-38
     assert torch.equal(res_native, ref_res)
     assert (got != 0).any() and _ulps(got, ref_out) <= 1
+
+
+def test_silu_mul_of_fp32_rows_is_the_bf16_path_bit_for_bit(ops: NativeCpuOps) -> None:
+    """silu_mul_bf16_in_f32 on an fp32 GEMM output equals converting it to bf16, silu_mul on
+    bf16 and converting back, bit for bit: ties and values between bf16 neighbours, exp's
+    overflow and underflow, and a width with a 16-lane tail (D = 83)."""
+    _row_kernels(ops)
+    gen = torch.Generator().manual_seed(13)
+    y = torch.randn(37, 2 * 83, generator=gen) * 4
+    y[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])
+    y[1, :3] = torch.tensor([1.00390625, 1.01171875, -3.0078125])  # bf16 ties
+    want = ops.silu_mul(y.bfloat16()).float()
+    assert torch.equal(ops.silu_mul_bf16_in_f32(y), want)
+
+
+def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(ops: NativeCpuOps) -> None:
+    """The MLP of bf16 rows on fp32 GEMM copies keeps its activation in fp32 storage between
+    the GEMMs (no conversion passes) and gives the bits of the path that rounds it to bf16."""
+    from types import SimpleNamespace
+
+    from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
+    from tinyvllm.models.llama import LlamaMLP
+
+    _row_kernels(ops)
+    gen = torch.Generator().manual_seed(14)
+    config = SimpleNamespace(hidden_size=96, intermediate_size=160, hidden_act="silu")
+    mlp = LlamaMLP(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    mlp.act.native = ops
+    attach_fp32_gemm_weights(mlp, min_rows=8)
+    x = torch.randn(70, 96, generator=gen).bfloat16()
+    fused = mlp._fp32_gemms(x)
+    assert fused is not None and fused.dtype == torch.bfloat16
+    unfused = mlp.down_proj(mlp.act(mlp.gate_up_proj(x)))
+    assert torch.equal(mlp(x), fused) and torch.equal(fused, unfused)
+    assert mlp._fp32_gemms(x[:5]) is None  # too few rows for the GEMM copies

@@ -166,6 +166,7 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         "tv_rows_round_bf16": (None, (_P, _P, _L, _I)),
         "tv_rows_rms_norm": (None, (_P, _P, _P, _P, _I, _L, _L, _F, _I, _P)),
         "tv_rows_silu_mul": (None, (_P, _P, _I, _L, _L, _I, _P)),
+        "tv_rows_silu_mul_bf16_in_f32": (None, (_P, _P, _L, _L, _I, _P)),
         "tv_rows_store_kv": (None, (_P, _L, _P, _L, _L, _L, _I, _P, _P, _P, _I, _P)),
         "tv_rows_rope": (None, (_P, _L, _L, _P, _L, _L, _I, _L, _L, _L, _P, _P, _P, _I, _P)),
         # quant_kernels.cpp

@@ -165,6 +165,17 @@ class NativeCpuOps:
             return out
         return self._gated(self.lib.tv_silu_mul, x)
 
+    def silu_mul_bf16_in_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu_mul` of fp32 rows [T, 2 * D] rounded to bf16, its bf16 results kept in fp32
+        storage ([T, D]): for an fp32 GEMM's output feeding another fp32 GEMM. Row kernels only
+        (`row_kernels`); x contiguous."""
+        t, d2 = x.shape
+        out = torch.empty((t, d2 // 2), dtype=torch.float32)
+        self.lib.tv_rows_silu_mul_bf16_in_f32(
+            x.data_ptr(), out.data_ptr(), t, d2 // 2, *self._row_threads()
+        )
+        return out
+
     def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._gated(self.lib.tv_gelu_tanh_mul, x)
 

@@ -121,6 +121,29 @@ TV_ROWS void silu_mul_row(const T* x, T* out, int64_t D) {
   }
 }
 
+// silu_mul_row of fp32 rows [gate | up] rounded to bf16 first (as the GEMM's output rounded to a
+// bf16 activation), its bf16 results stored as fp32: the same bits as the GEMM output's
+// conversion, silu_mul_row on bf16 and the conversion back to fp32 for the next GEMM. Why: on
+// CPUs without bf16 matmul the MLP's GEMMs run in fp32, and those two conversion passes over
+// the [T, 2 * D] and [T, D] activations cost a sixth of the MLP (4,096 rows of SmolLM2-135M:
+// 113 vs 95 ms a layer on a 2-core Ice Lake).
+template <bool kHw>
+TV_ROWS void silu_mul_row_bf16_in_f32(const float* x, float* out, int64_t D) {
+  uint16_t* const bf16 = nullptr;  // selects round16's bf16 rounding
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    const __m512 g = round16<kHw>(_mm512_loadu_ps(x + i), bf16);
+    const __m512 u = round16<kHw>(_mm512_loadu_ps(x + D + i), bf16);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = round16<kHw>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), bf16);
+    _mm512_storeu_ps(out + i, round16<kHw>(_mm512_mul_ps(s, u), bf16));
+  }
+  for (; i < D; ++i) {
+    const float g = round_bf16(x[i]), u = round_bf16(x[D + i]);
+    out[i] = round_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+  }
+}
+
 // One head's neox rotation in place: every product and both sums rounded to the dtype, as the
 // eager `rot * cos + cat(-x2, x1) * sin` computes.
 template <class T, bool kHw>
@@ -259,6 +282,19 @@ void tv_rows_silu_mul(const void* x, void* out, int dt, int64_t T, int64_t D, in
   else
     silu_mul_rows<float, false>(static_cast<const float*>(x), static_cast<float*>(out), T, D,
                                 nthreads, omp);
+}
+
+// SiLU(gate) * up of T fp32 rows [gate | up] rounded to bf16, into fp32 rows holding the bf16
+// results (silu_mul_row_bf16_in_f32). AVX-512 F + BW (tv_rows_supported).
+void tv_rows_silu_mul_bf16_in_f32(const float* x, float* out, int64_t T, int64_t D, int nthreads,
+                                  const void* omp_parallel) {
+  const OmpParallelFn omp = omp_team(omp_parallel);
+  for_row_blocks(T, nthreads, omp, [&](int64_t t) {
+    if (bf16_hw())
+      silu_mul_row_bf16_in_f32<true>(x + t * 2 * D, out + t * D, D);
+    else
+      silu_mul_row_bf16_in_f32<false>(x + t * 2 * D, out + t * D, D);
+  });
 }
 
 // tv_rope over T rows.

@@ -133,6 +133,18 @@ class LinearBase(nn.Module):
             return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
+    def fp32_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x's rows [T, in] through the fp32 GEMM copy, the fp32 result not rounded to x's
+        dtype (None where `forward` would not take that copy): for a caller that fuses the
+        rounding into the next op. x may hold bf16 values in fp32 storage."""
+        if self.qweight is not None or self.gemm_packed or x.dim() != 2:
+            return None
+        if self.native is not None and self.native.can_linear(x, self.weight):
+            return None
+        if not self._takes_gemm_copy(x.shape[0]):
+            return None
+        return F.linear(x.float(), self.gemm_weight, self.gemm_bias)
+
     def _takes_gemm_copy(self, rows: int) -> bool:
         """Whether `rows` rows run on the GEMM copy, making it now if the budget allows
         (once refused, the layer stays on its own weight)."""
