@@ -270,13 +270,22 @@ def test_silu_mul_of_fp32_rows_is_the_bf16_path_bit_for_bit(ops: NativeCpuOps) -
     assert torch.equal(ops.silu_mul_bf16_in_f32(y), want)
 
 
-def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(ops: NativeCpuOps) -> None:
+@pytest.mark.parametrize("block_rows", [None, 25, 9])
+def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(
+    ops: NativeCpuOps, block_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The MLP of bf16 rows on fp32 GEMM copies keeps its activation in fp32 storage between
-    the GEMMs (no conversion passes) and gives the bits of the path that rounds it to bf16."""
+    the GEMMs (no conversion passes) and gives the bits of the path that rounds it to bf16: in
+    one block of rows, in several, and with a last block too small for the GEMM copies (9-row
+    blocks of 70 rows: 7 blocks of 9, then 7 rows under the copies' 8)."""
     from types import SimpleNamespace
 
+    import tinyvllm.models.llama as llama
     from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
     from tinyvllm.models.llama import LlamaMLP
+
+    if block_rows is not None:  # 320 gate / up columns of 4 bytes per row
+        monkeypatch.setattr(llama, "_FP32_MLP_BLOCK_BYTES", block_rows * 320 * 4)
 
     _row_kernels(ops)
     gen = torch.Generator().manual_seed(14)
