@@ -270,14 +270,16 @@ def test_silu_mul_of_fp32_rows_is_the_bf16_path_bit_for_bit(ops: NativeCpuOps) -
     assert torch.equal(ops.silu_mul_bf16_in_f32(y), want)
 
 
+@pytest.mark.parametrize("row_kernels", [True, False])
 @pytest.mark.parametrize("block_rows", [None, 25, 9])
 def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(
-    ops: NativeCpuOps, block_rows: int | None, monkeypatch: pytest.MonkeyPatch
+    ops: NativeCpuOps, block_rows: int | None, row_kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The MLP of bf16 rows on fp32 GEMM copies keeps its activation in fp32 storage between
-    the GEMMs (no conversion passes) and gives the bits of the path that rounds it to bf16: in
-    one block of rows, in several, and with a last block too small for the GEMM copies (9-row
-    blocks of 70 rows: 7 blocks of 9, then 7 rows under the copies' 8)."""
+    """The MLP of bf16 rows on fp32 GEMM copies (with the row kernels: its activation kept in
+    fp32 storage between the GEMMs, no conversion passes; without: the bf16 activation) gives
+    the bits of the unblocked path that rounds it to bf16: in one block of rows, in several,
+    and with a last block too small for the GEMM copies (9-row blocks of 70 rows: 7 blocks of
+    9, then 7 rows under the copies' 8)."""
     from types import SimpleNamespace
 
     import tinyvllm.models.llama as llama
@@ -287,7 +289,8 @@ def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(
     if block_rows is not None:  # 320 gate / up columns of 4 bytes per row
         monkeypatch.setattr(llama, "_FP32_MLP_BLOCK_BYTES", block_rows * 320 * 4)
 
-    _row_kernels(ops)
+    if row_kernels:
+        _row_kernels(ops)
     gen = torch.Generator().manual_seed(14)
     config = SimpleNamespace(hidden_size=96, intermediate_size=160, hidden_act="silu")
     mlp = LlamaMLP(config).to(torch.bfloat16)
@@ -295,6 +298,7 @@ def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     mlp.act.native = ops
+    monkeypatch.setattr(ops, "row_kernels", row_kernels)
     attach_fp32_gemm_weights(mlp, min_rows=8)
     x = torch.randn(70, 96, generator=gen).bfloat16()
     fused = mlp._fp32_gemms(x)

@@ -159,16 +159,16 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def _fp32_gemms(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The MLP of bf16 rows whose linears run on fp32 GEMM copies (CPUs without bf16
-        matmul), with the activation between them kept in fp32 storage: the native SiLU
-        kernel rounds its input and output to bf16 where the bf16 path rounds, so the result is
-        the same bits without the conversion passes around the [T, 2 * intermediate] and
-        [T, intermediate] activations (4,096 rows of SmolLM2-135M: 95 vs 113 ms a layer on a
-        2-core Ice Lake). Rows go in blocks whose fp32 gate / up output stays under
-        _FP32_MLP_BLOCK_BYTES. None where that path does not apply."""
+        """The MLP of rows whose linears run on fp32 GEMM copies (CPUs without bf16 matmul), in
+        blocks of rows whose fp32 gate / up output stays under _FP32_MLP_BLOCK_BYTES; None
+        where the copies do not take x. With the AVX-512 row kernels and bf16 rows the
+        activation stays in fp32 storage between the GEMMs: the native SiLU kernel rounds its
+        input and output to bf16 where the bf16 path rounds, so the result is the same bits
+        without the conversion passes around the [T, 2 * intermediate] and [T, intermediate]
+        activations (4,096 rows of SmolLM2-135M: 95 vs 113 ms a layer on a 2-core Ice Lake);
+        elsewhere each block takes the bf16 activation as `forward` would."""
         native = self.act.native
-        if x.dtype != torch.bfloat16 or native is None or not native.row_kernels:
-            return None
+        fused = x.dtype == torch.bfloat16 and native is not None and native.row_kernels
         rows = x.shape[0]
         blocks = -(-rows * self.gate_up_proj.output_size * 4 // _FP32_MLP_BLOCK_BYTES)
         step = -(-rows // blocks)
@@ -177,7 +177,11 @@ class LlamaMLP(nn.Module):
             gate_up = self.gate_up_proj.fp32_gemm(x[r0 : r0 + step])
             if gate_up is None:  # the first block: no GEMM copy; a later one: too few rows
                 return None if out is None else self._rest(x, out, r0)
-            h = native.silu_mul_bf16_in_f32(gate_up)
+            if fused:
+                assert native is not None
+                h = native.silu_mul_bf16_in_f32(gate_up)
+            else:
+                h = self.act(gate_up.to(x.dtype))
             del gate_up  # its pages go back to the heap for the next block's
             down = self.down_proj.fp32_gemm(h)
             block = self.down_proj(h.to(x.dtype)) if down is None else down
