@@ -142,9 +142,12 @@ class TorchAttentionBackend(AttentionBackend):
             groups,
             prefills,
             _uniform_len(prefills, decode_rows),
-            # Only where a kernel can take them: other backends and CPUs skip the tensors.
+            # Only where a kernel may take them (the native backend, steps past what the
+            # native decode program runs): other steps and backends skip the tensors.
             PromptBatch.build([span for span in prefills if not span.bidirectional])
-            if prefills and getattr(self, "ops", None) is not None
+            if prefills
+            and metadata.num_actual_tokens > MAX_LINEAR_ROWS
+            and getattr(self, "ops", None) is not None
             else None,
         )
 
