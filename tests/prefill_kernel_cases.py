@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import make_case, reference_attention
+from attention_cases import make_case, max_error, reference_attention
 
 from tinyvllm.attention.prompt_batch import PromptBatch
 from tinyvllm.native.ops import NativeCpuOps
@@ -56,6 +56,45 @@ class Span:
     end: int
     context_len: int
     block_ids: torch.Tensor
+
+
+def check_chunks_after_context(
+    kernel: Any,
+    contexts: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    sdpa_dtype: torch.dtype,
+    slack: float,
+) -> None:
+    """One kernel call over chunks of 70, 33, 1 and 40 rows after contexts[i] cached tokens
+    (9 query / 3 KV heads, head_dim 64, blocks scattered over a paged cache, the chunks' own
+    K / V stored there first): each chunk as close to fp64 as SDPA in `sdpa_dtype` of its
+    context and own keys under the causal mask (1.5x its error, plus `slack`)."""
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, lens = 9, 3, [70, 33, 1, 40]
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(contexts, lens, strict=True))
+    cache = torch.randn(2, num_blocks + 8, block_size, hkv, 64, generator=gen).mul(2).to(dtype)
+    q, k, v = fused_qkv(gen, sum(lens), hq, hkv, 64, dtype)
+    spans = chunks_after_context(gen, cache, k, v, lens, contexts)
+    batch = PromptBatch.build(spans)
+    assert batch is not None and kernel.fits_cache(cache, k)
+    out = torch.zeros(q.shape, dtype=dtype)
+    kernel.attend(q, k, v, out, batch, 0.125, cache)
+    for span in spans:
+        sdpa, exact = span_sdpa(q, cache, span, 0.125, sdpa_dtype)
+        got = out[span.start : span.end]
+        assert max_error(got, exact) <= max_error(sdpa, exact) * 1.5 + slack
+
+
+# (query lengths, context lengths, the prompts of each kernel call) of one backend step
+BACKEND_STEPS = [
+    ((80, 80, 80), (0, 0, 0), [3]),  # equal prompts: instead of the uniform path's SDPA
+    ((80, 79), (0, 0), [2]),
+    # A chunk continuing a prompt joins them; a decode token stays with torch's path.
+    ((80, 40, 1, 90), (0, 50, 30, 0), [3]),
+    ((100, 60), (37, 150), [2]),
+    ((40, 1), (50, 30), []),  # 41 tokens: a step the native decode program could run
+]
 
 
 def chunks_after_context(

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from attention_cases import max_error
 from prefill_kernel_cases import (
+    BACKEND_STEPS,
     attend_gapped_prompts,
     backend_step,
-    chunks_after_context,
+    check_chunks_after_context,
     fused_qkv,
-    span_sdpa,
 )
 
 from tinyvllm.attention.prefill_amx import AmxPrefillAttention
@@ -122,33 +122,10 @@ def test_kernel_continues_prompts_after_their_cached_tokens(kernel: AmxPrefillAt
     """Chunks after context_len cached tokens (in blocks scattered over the paged cache, the
     chunk's own K / V stored there too, as the backend does first) next to a fresh prompt:
     each as SDPA over its context and own keys with the causal mask computes it."""
-    gen = torch.Generator().manual_seed(6)
-    hq, hkv, block_size, num_blocks = 9, 3, 16, 64
-    cache = (torch.randn(2, num_blocks, block_size, hkv, 64, generator=gen) * 2).bfloat16()
-    lens, contexts = [70, 33, 1, 40], [0, 150, 31, 16]
-    q, k, v = fused_qkv(gen, sum(lens), hq, hkv)
-    spans = chunks_after_context(gen, cache, k, v, lens, contexts)
-    batch = PromptBatch.build(spans)
-    assert batch is not None and kernel.fits_cache(cache, k)
-    out = torch.zeros(q.shape, dtype=torch.bfloat16)
-    kernel.attend(q, k, v, out, batch, 0.125, cache)
-    for span in spans:
-        sdpa, exact = span_sdpa(q, cache, span, 0.125, torch.bfloat16)
-        got = out[span.start : span.end]
-        assert max_error(got, exact) <= max_error(sdpa, exact) * 1.5 + 1e-3
+    check_chunks_after_context(kernel, [0, 150, 31, 16], 16, torch.bfloat16, torch.bfloat16, 1e-3)
 
 
-@pytest.mark.parametrize(
-    ("query_lens", "context_lens", "kernel_prompts"),
-    [
-        ((80, 80, 80), (0, 0, 0), [3]),  # equal prompts: the uniform path's one call
-        ((80, 79), (0, 0), [2]),
-        # A chunk continuing a prompt joins them; a decode token stays with torch's path.
-        ((80, 40, 1, 90), (0, 50, 30, 0), [3]),
-        ((100, 60), (37, 150), [2]),
-        ((40, 1), (50, 30), []),  # 41 tokens: a step the native kernels run in fp32
-    ],
-)
+@pytest.mark.parametrize(("query_lens", "context_lens", "kernel_prompts"), BACKEND_STEPS)
 def test_native_backend_attends_fresh_bf16_prompts_with_the_kernel(
     monkeypatch: pytest.MonkeyPatch,
     kernel: AmxPrefillAttention,

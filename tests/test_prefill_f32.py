@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from attention_cases import max_error
 from prefill_kernel_cases import (
+    BACKEND_STEPS,
     attend_gapped_prompts,
     backend_step,
-    chunks_after_context,
+    check_chunks_after_context,
     fused_qkv,
-    span_sdpa,
 )
 
 from tinyvllm.attention.prefill_f32 import Fp32PrefillAttention
@@ -128,36 +128,13 @@ def test_kernel_attends_prompts_of_any_lengths_in_one_call(kernel: Fp32PrefillAt
 def test_kernel_continues_prompts_after_their_cached_tokens(
     kernel: Fp32PrefillAttention, block_size: int, dtype: torch.dtype
 ) -> None:
-    """Chunks after context_len cached tokens (in blocks scattered over the paged cache, the
-    chunk's own K / V stored there too, as the backend does first) next to a fresh prompt:
-    each as SDPA over its context and own keys with the causal mask computes it."""
-    gen = torch.Generator().manual_seed(6)
-    hq, hkv, num_blocks = 9, 3, 160
-    cache = (torch.randn(2, num_blocks, block_size, hkv, 64, generator=gen) * 2).to(dtype)
-    lens, contexts = [70, 33, 1, 40], [0, 290, 31, 16]
-    q, k, v = fused_qkv(gen, sum(lens), hq, hkv, 64, dtype)
-    spans = chunks_after_context(gen, cache, k, v, lens, contexts)
-    batch = PromptBatch.build(spans)
-    assert batch is not None and kernel.fits_cache(cache, k)
-    out = torch.zeros(q.shape, dtype=dtype)
-    kernel.attend(q, k, v, out, batch, 0.125, cache)
-    for span in spans:
-        sdpa, exact = span_sdpa(q, cache, span, 0.125, torch.float32)
-        got = out[span.start : span.end]
-        assert max_error(got, exact) <= max_error(sdpa, exact) * 1.5 + 1e-5
+    """A fresh prompt beside chunks after 16-290 cached tokens, in caches of either dtype with
+    blocks of 16 or 5 tokens: each chunk as fp32 SDPA of its context and own keys computes it
+    under the causal mask."""
+    check_chunks_after_context(kernel, [0, 290, 31, 16], block_size, dtype, torch.float32, 1e-5)
 
 
-@pytest.mark.parametrize(
-    ("query_lens", "context_lens", "kernel_prompts"),
-    [
-        ((80, 80, 80), (0, 0, 0), [3]),  # equal prompts: instead of the uniform path's SDPA
-        ((80, 79), (0, 0), [2]),
-        # A chunk continuing a prompt joins them; a decode token stays with torch's path.
-        ((80, 40, 1, 90), (0, 50, 30, 0), [3]),
-        ((100, 60), (37, 150), [2]),
-        ((40, 1), (50, 30), []),  # 41 tokens: a step the native decode program could run
-    ],
-)
+@pytest.mark.parametrize(("query_lens", "context_lens", "kernel_prompts"), BACKEND_STEPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_backend_attends_prompts_with_the_kernel_without_bf16_matmul(
     monkeypatch: pytest.MonkeyPatch,
