@@ -58,7 +58,13 @@ class VllmPeer:
     """The child: started and warmed up by `start`, one workload per `measure`, stopped
     (SIGSTOP) between measurements, shut down by `close` (which returns its final JSON)."""
 
-    def __init__(self, proc: subprocess.Popen[str], out_path: Path, tmp: Any, timeout_s: float):
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        out_path: Path,
+        tmp: tempfile.TemporaryDirectory[str],
+        timeout_s: float,
+    ) -> None:
         self.proc = proc
         self.out_path = out_path
         self.tmp = tmp  # the spec / output folder, removed by close
@@ -106,7 +112,12 @@ class VllmPeer:
             text=True,
         )
         peer = cls(proc, out_path, tmp, timeout_s)
-        peer.ready = peer._reply("@@ready ")
+        try:
+            peer.ready = peer._reply("@@ready ")
+        except BaseException:
+            proc.kill()
+            tmp.cleanup()
+            raise
         peer._pause()
         return peer
 

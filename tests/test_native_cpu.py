@@ -271,24 +271,29 @@ def test_silu_mul_of_fp32_rows_is_the_bf16_path_bit_for_bit(ops: NativeCpuOps) -
 
 
 @pytest.mark.parametrize("row_kernels", [True, False])
-@pytest.mark.parametrize("block_rows", [None, 25, 9])
-def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(
-    ops: NativeCpuOps, block_rows: int | None, row_kernels: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("block_rows", "blocks"),
+    [(None, [70]), (25, [24, 23, 23]), (9, [9] * 6 + [8] * 2)],
+)
+def test_gated_mlp_on_fp32_gemm_copies_is_the_plain_path_bit_for_bit(
+    ops: NativeCpuOps,
+    block_rows: int | None,
+    blocks: list[int],
+    row_kernels: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The MLP of bf16 rows on fp32 GEMM copies (with the row kernels: its activation kept in
-    fp32 storage between the GEMMs, no conversion passes; without: the bf16 activation) gives
-    the bits of the unblocked path that rounds it to bf16: in one block of rows, in several,
-    and with a last block too small for the GEMM copies (9-row blocks of 70 rows: 7 blocks of
-    9, then 7 rows under the copies' 8)."""
+    """The MLP of bf16 rows on fp32 GEMM copies runs in row blocks under the byte budget (with
+    the row kernels its activation stays in fp32 storage between the GEMMs, without them it
+    is bf16) and gives the bits of the plain unblocked path: in one block, in three, and in
+    eight of which the last two (8 rows) are under the copies' 9 and take the plain path."""
     from types import SimpleNamespace
 
-    import tinyvllm.models.llama as llama
+    import tinyvllm.models.layers.gated_mlp as gated
     from tinyvllm.models.layers.linear import attach_fp32_gemm_weights
     from tinyvllm.models.llama import LlamaMLP
 
     if block_rows is not None:  # 320 gate / up columns of 4 bytes per row
-        monkeypatch.setattr(llama, "_FP32_MLP_BLOCK_BYTES", block_rows * 320 * 4)
-
+        monkeypatch.setattr(gated, "FP32_BLOCK_BYTES", block_rows * 320 * 4)
     if row_kernels:
         _row_kernels(ops)
     gen = torch.Generator().manual_seed(14)
@@ -299,10 +304,20 @@ def test_llama_mlp_on_fp32_gemm_copies_is_the_bf16_path_bit_for_bit(
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     mlp.act.native = ops
     monkeypatch.setattr(ops, "row_kernels", row_kernels)
-    attach_fp32_gemm_weights(mlp, min_rows=8)
+    attach_fp32_gemm_weights(mlp, min_rows=9)
     x = torch.randn(70, 96, generator=gen).bfloat16()
-    fused = mlp._fp32_gemms(x)
-    assert fused is not None and fused.dtype == torch.bfloat16
-    unfused = mlp.down_proj(mlp.act(mlp.gate_up_proj(x)))
-    assert torch.equal(mlp(x), fused) and torch.equal(fused, unfused)
-    assert mlp._fp32_gemms(x[:5]) is None  # too few rows for the GEMM copies
+    want = mlp.down_proj(mlp.act(mlp.gate_up_proj(x)))  # the plain path, one piece
+
+    seen: list[int] = []
+    gemm, silu = mlp.gate_up_proj.fp32_gemm, ops.silu_mul_bf16_in_f32
+    monkeypatch.setattr(mlp.gate_up_proj, "fp32_gemm", lambda t: seen.append(len(t)) or gemm(t))
+    fused: list[int] = []
+    monkeypatch.setattr(ops, "silu_mul_bf16_in_f32", lambda t: fused.append(len(t)) or silu(t))
+    got = mlp(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert seen == blocks
+    on_copies = [n for n in blocks if n >= 9]
+    assert fused == (on_copies if row_kernels else [])
+    seen.clear()
+    assert torch.equal(mlp(x[:5]), mlp.down_proj(mlp.act(mlp.gate_up_proj(x[:5]))))
+    assert seen == [5]  # asked once, refused: too few rows for the GEMM copies

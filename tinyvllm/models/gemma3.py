@@ -19,6 +19,7 @@ from torch import nn
 
 from tinyvllm.models.layers.activation import GeluTanhAndMul
 from tinyvllm.models.layers.embedding import VocabEmbedding
+from tinyvllm.models.layers.gated_mlp import gated_mlp
 from tinyvllm.models.layers.linear import MergedColumnLinear, ReplicatedLinear
 from tinyvllm.models.layers.norm import OffsetRMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
@@ -60,7 +61,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = ReplicatedLinear(size, hidden, False, quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return gated_mlp(self.gate_up_proj, self.act, self.down_proj, x)
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):

@@ -19,6 +19,7 @@ from torch import nn
 from tinyvllm.attention.layer import Attention
 from tinyvllm.models.layers.activation import SiluAndMul
 from tinyvllm.models.layers.embedding import VocabEmbedding
+from tinyvllm.models.layers.gated_mlp import gated_mlp
 from tinyvllm.models.layers.linear import QKVLinear, ReplicatedLinear
 from tinyvllm.models.layers.mamba2 import Mamba2Mixer, mamba2_config_from_hf
 from tinyvllm.models.layers.moe import StackedExperts, TopKRouter
@@ -116,7 +117,7 @@ class GraniteSharedMLP(nn.Module):
         self.output_linear = ReplicatedLinear(size, config.hidden_size, False, quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear(self.act(self.input_linear(x)))
+        return gated_mlp(self.input_linear, self.act, self.output_linear, x)
 
 
 class GraniteMoE(StackedExperts):

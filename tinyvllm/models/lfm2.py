@@ -17,6 +17,7 @@ from torch import nn
 from tinyvllm.attention.layer import Attention
 from tinyvllm.models.layers.activation import SiluAndMul
 from tinyvllm.models.layers.embedding import VocabEmbedding
+from tinyvllm.models.layers.gated_mlp import gated_mlp
 from tinyvllm.models.layers.linear import (
     MergedColumnLinear,
     QKVLinear,
@@ -203,7 +204,7 @@ class Lfm2MLP(nn.Module):
         self.w2 = ReplicatedLinear(size, config.hidden_size, False, quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.gate_up_proj(x)))
+        return gated_mlp(self.gate_up_proj, self.act, self.w2, x)
 
 
 class Lfm2DecoderLayer(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 from tinyvllm.attention.layer import Attention
 from tinyvllm.models.layers.activation import SiluAndMul
 from tinyvllm.models.layers.embedding import VocabEmbedding, output_head
+from tinyvllm.models.layers.gated_mlp import gated_mlp
 from tinyvllm.models.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear
 from tinyvllm.models.layers.norm import RMSNorm
 from tinyvllm.models.layers.rotary import RopeConfig, RotaryEmbedding
@@ -134,13 +135,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
-# The fp32 gate / up output of one block of an MLP's rows on fp32 GEMM copies: under glibc's
-# largest mmap threshold (32 MiB), so it is served from heap pages freed by the previous block
-# instead of a fresh mapping whose every page faults in (4,096 rows of SmolLM2-135M, one 50 MB
-# output: 64 vs 50 ms per gate / up GEMM on a 2-core Ice Lake).
-_FP32_MLP_BLOCK_BYTES = 16 << 20
-
-
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
@@ -153,46 +147,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = ReplicatedLinear(size, config.hidden_size, bias, quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self._fp32_gemms(x)
-        if fused is not None:
-            return fused
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-    def _fp32_gemms(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The MLP of rows whose linears run on fp32 GEMM copies (CPUs without bf16 matmul), in
-        blocks of rows whose fp32 gate / up output stays under _FP32_MLP_BLOCK_BYTES; None
-        where the copies do not take x. With the AVX-512 row kernels and bf16 rows the
-        activation stays in fp32 storage between the GEMMs: the native SiLU kernel rounds its
-        input and output to bf16 where the bf16 path rounds, so the result is the same bits
-        without the conversion passes around the [T, 2 * intermediate] and [T, intermediate]
-        activations (4,096 rows of SmolLM2-135M: 95 vs 113 ms a layer on a 2-core Ice Lake);
-        elsewhere each block takes the bf16 activation as `forward` would."""
-        native = self.act.native
-        fused = x.dtype == torch.bfloat16 and native is not None and native.row_kernels
-        rows = x.shape[0]
-        blocks = -(-rows * self.gate_up_proj.output_size * 4 // _FP32_MLP_BLOCK_BYTES)
-        step = -(-rows // blocks)
-        out: torch.Tensor | None = None
-        for r0 in range(0, rows, step):
-            gate_up = self.gate_up_proj.fp32_gemm(x[r0 : r0 + step])
-            if gate_up is None:  # the first block: no GEMM copy; a later one: too few rows
-                return None if out is None else self._rest(x, out, r0)
-            if fused:
-                assert native is not None
-                h = native.silu_mul_bf16_in_f32(gate_up)
-            else:
-                h = self.act(gate_up.to(x.dtype))
-            del gate_up  # its pages go back to the heap for the next block's
-            down = self.down_proj.fp32_gemm(h)
-            block = self.down_proj(h.to(x.dtype)) if down is None else down
-            if out is None:
-                out = torch.empty((rows, block.shape[1]), dtype=x.dtype)
-            out[r0 : r0 + step] = block
-        return out
-
-    def _rest(self, x: torch.Tensor, out: torch.Tensor, r0: int) -> torch.Tensor:
-        out[r0:] = self.down_proj(self.act(self.gate_up_proj(x[r0:])))
-        return out
+        return gated_mlp(self.gate_up_proj, self.act, self.down_proj, x)
 
 
 class LlamaDecoderLayer(nn.Module):
