@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.gguf.weight import GGUFWeight
+from tinyvllm.models.layers.fp32_copy import Fp32WeightCopy
 from tinyvllm.native.ops import NativeCpuOps
 from tinyvllm.quant.config import QuantConfig
 from tinyvllm.quant.weight import QuantizedWeight
@@ -88,11 +89,12 @@ class LinearBase(nn.Module):
             self.weight = new_parameter(0, loader=self.quantized_weight_loader)
         self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
         # Optional GEMM copy of the weight for inputs of `gemm_min_rows` to `gemm_max_rows`
-        # rows, made on the first such input within `gemm_budget`: an fp32 copy (see
-        # `attach_fp32_gemm_weights`) or, with `gemm_packed`, the weight prepacked in oneDNN's
-        # blocked layout (see `attach_packed_gemm_weights`). Other inputs use the weight.
+        # rows, made on the first such input within `gemm_budget`: an fp32 copy (`fp32_copy`,
+        # see `attach_fp32_gemm_weights`) or, with `gemm_packed`, the weight prepacked in
+        # oneDNN's blocked layout (`gemm_weight`, see `attach_packed_gemm_weights`). Other
+        # inputs use the weight.
+        self.fp32_copy: Fp32WeightCopy | None = None
         self.gemm_weight: torch.Tensor | None = None
-        self.gemm_bias: torch.Tensor | None = None
         self.gemm_min_rows = 0
         self.gemm_max_rows: int | None = None
         self.gemm_packed = False
@@ -130,7 +132,8 @@ class LinearBase(nn.Module):
                 return torch.ops.mkldnn._linear_pointwise(
                     x, self.gemm_weight, self.bias, "none", [], ""
                 )
-            return F.linear(x.float(), self.gemm_weight, self.gemm_bias).to(x.dtype)
+            assert self.fp32_copy is not None
+            return self.fp32_copy(x).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def fp32_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -143,7 +146,8 @@ class LinearBase(nn.Module):
             return None
         if not self._takes_gemm_copy(x.shape[0]):
             return None
-        return F.linear(x.float(), self.gemm_weight, self.gemm_bias)
+        assert self.fp32_copy is not None
+        return self.fp32_copy(x)
 
     def _takes_gemm_copy(self, rows: int) -> bool:
         """Whether `rows` rows run on the GEMM copy, making it now if the budget allows
@@ -152,7 +156,7 @@ class LinearBase(nn.Module):
             return False
         if self.gemm_max_rows is not None and rows > self.gemm_max_rows:
             return False
-        if self.gemm_weight is not None:
+        if self.gemm_weight is not None or self.fp32_copy is not None:
             return True
         nbytes = self.weight.numel() * (self.weight.element_size() if self.gemm_packed else 4)
         if self.gemm_budget is None or not self.gemm_budget.take(nbytes):
@@ -161,8 +165,7 @@ class LinearBase(nn.Module):
         if self.gemm_packed:
             self.gemm_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             return True
-        self.gemm_weight = self.weight.detach().float()
-        self.gemm_bias = None if self.bias is None else self.bias.detach().float()
+        self.fp32_copy = Fp32WeightCopy(self.weight, self.bias)
         return True
 
     def extra_repr(self) -> str:
