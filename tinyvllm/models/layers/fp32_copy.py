@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows the packing is told to expect (the layout MKL picks for B did not depend on it from
-# 1 to 4,096 rows on torch 2.13's MKL; `_packed_copy` checks the copy it makes).
+# Rows the packing is told to expect (on torch 2.13's MKL the packed size was the same for 1 to
+# 4,096, and a pack for 64 gave fp32-exact products for calls of 1 to 2,048 rows; `_packed_copy`
+# checks each copy it makes).
 _PACK_ROWS = 64
 # Rows of the check of a new packed copy against the plain GEMM.
 _CHECK_ROWS = 3
@@ -45,7 +46,7 @@ class Fp32WeightCopy:
         x = x.float()
         if self.packed is None:
             return F.linear(x, self.plain, self.bias)
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0  # leading dims are rows too
         return torch.ops.mkl._mkl_linear(x, self.packed, self.plain, self.bias, rows)
 
 
@@ -70,9 +71,11 @@ def _packed_copy(plain: torch.Tensor) -> torch.Tensor | None:
         got = torch.ops.mkl._mkl_linear(probe, packed, plain, None, _CHECK_ROWS)
     except RuntimeError:
         return None
-    want = probe.double() @ plain.double().T
-    # fp32 sums of `in` products: within a few ulps of the magnitudes' sum.
-    scale = probe.double().abs() @ plain.double().abs().T
-    if not bool(((got.double() - want).abs() <= 1e-5 * scale + 1e-30).all()):
+    want = F.linear(probe, plain)
+    # Two fp32 sums of `in` products differ by a few ulps of the magnitudes' sum, which
+    # Cauchy-Schwarz bounds by the rows' norms (no |W| or fp64 copy of a large weight); a
+    # wrong layout is off by the values themselves.
+    bound = probe.norm(dim=1)[:, None] * plain.norm(dim=1)[None, :]
+    if not bool(((got - want).abs() <= 1e-5 * bound).all()):
         return None
     return packed
