@@ -188,6 +188,9 @@ FUNCTIONS: Mapping[str, tuple[Any, tuple[Any, ...]]] = MappingProxyType(
         # int8_rows16.cpp
         "tv_rows16_supported": (c_int, (_I,)),
         "tv_repack_rows16": (None, (_P, _I, _L, _L, _P, _I)),
+        # bf16_pairs.cpp
+        "tv_bf16_pairs_supported": (c_int, ()),
+        "tv_repack_bf16_pairs": (None, (_P, _L, _L, _P, _I)),
         # bf16_rows16.cpp
         "tv_rows16_exact_supported": (c_int, (_I,)),
         # amx_linear.cpp

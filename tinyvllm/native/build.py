@@ -39,6 +39,7 @@ SOURCES = (
     Path(__file__).with_name("thread_pool.cpp"),
     Path(__file__).with_name("avx512_kernels.cpp"),
     Path(__file__).with_name("gemv_avx512f.cpp"),
+    Path(__file__).with_name("bf16_pairs.cpp"),
     Path(__file__).with_name("int8_kernels.cpp"),
     Path(__file__).with_name("rows16_layout.cpp"),
     Path(__file__).with_name("int8_rows16.cpp"),

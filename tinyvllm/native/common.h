@@ -64,6 +64,12 @@ using Bf16BlockRowsFn = void (*)(const uint8_t*, int64_t, const uint16_t*, const
                                  int64_t, int64_t, float*);
 Bf16BlockRowsFn q4_1_bf16_rows_avx512(int M);
 
+// bf16 matrices in the pair layout (code kBF16 | kFmtRows16, bf16_pairs.cpp): whether this
+// CPU's best kernels read it, and out [M][N] (x_dt) = x [M][K] w^T (+ bias) on it.
+bool bf16_pairs_supported();
+void linear_bf16_pairs(const void* x, int x_dt, const void* w, const void* bias, int b_dt,
+                       void* out, int M, int64_t N, int64_t K, int nthreads);
+
 // Opt-in int8-activation GEMVs (int8_kernels.cpp): a GGUF format code with this bit set asks
 // tv_linear_any / tv_linear_blocks for them; formats or CPUs they do not cover (no
 // AVX512-VNNI, formats other than Q4_0 / Q4_1 / Q8_0) take the exact kernel instead.

@@ -115,6 +115,29 @@ class NativeCpuOps:
         )  # fmt: skip
         return out
 
+    def bf16_pairs_fit(self, weight: torch.Tensor) -> bool:
+        """Whether `bf16_pairs` repacks `weight` (else it returns None)."""
+        return (
+            bool(self.lib.tv_bf16_pairs_supported())
+            and weight.dtype == torch.bfloat16
+            and weight.dim() == 2
+            and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 2 == 0
+        )
+
+    def bf16_pairs(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 weight [N, K] repacked for `tv_linear_any`'s code `FORMAT_BF16 |
+        FORMAT_ROWS16` (bf16_pairs.cpp: 16 rows interleaved in pairs of columns; same bytes),
+        or None where this CPU's best kernels do not read that layout (they do on AVX-512
+        without BF16 dot products) or the shape does not fit it (N % 16, K % 2)."""
+        if not self.bf16_pairs_fit(weight):
+            return None
+        src = weight.detach().contiguous()
+        out = torch.empty_like(src)
+        n, k = src.shape
+        self.lib.tv_repack_bf16_pairs(src.data_ptr(), n, k, out.data_ptr(), self.num_threads)
+        return out
+
     # ---- element-wise ---------------------------------------------------------------------
     def rms_norm(
         self,

@@ -512,6 +512,8 @@ void tv_linear_any(const void* x, int x_dt, const void* w, int w_fmt, const void
                    int b_dt, void* out, int M, int64_t N, int64_t K, int nthreads) {
   if (w_fmt == kF32 || w_fmt == kBF16)
     tv_linear(x, x_dt, w, w_fmt, bias, b_dt, out, M, N, K, nthreads);
+  else if (w_fmt == (kBF16 | kFmtRows16))
+    linear_bf16_pairs(x, x_dt, w, bias, b_dt, out, M, N, K, nthreads);
   else
     tv_linear_blocks(x, x_dt, w, w_fmt, bias, b_dt, out, M, N, K, nthreads);
 }

@@ -299,6 +299,7 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype == torch.bfloat16 and not has_native_bf16_matmul():
             most = attach_fp32_gemm_weights(model, FP32_GEMM_MIN_ROWS, self.fp32_copy_budget)
+            self.fp32_copy_budget.reserved += most
             limit = self.fp32_copy_budget.left
             logger.info(
                 "CPU without native bf16 matmul: fp32 weight copies for batched GEMMs, made on "
@@ -310,6 +311,7 @@ class CpuPlatform(Platform):
             most = attach_packed_gemm_weights(
                 model, PACKED_GEMM_MIN_ROWS, PACKED_GEMM_MAX_ROWS, self.fp32_copy_budget
             )
+            self.fp32_copy_budget.reserved += most
             logger.debug("oneDNN-prepacked bf16 weight copies: up to %.0f MiB", most / 2**20)
         if self.native is not None:
             move_weights_to_huge_pages(model)
@@ -325,7 +327,11 @@ class CpuPlatform(Platform):
         if self.native is None or build_plan is None:
             return None
         plan = build_plan()
-        program = None if plan is None else LlamaDecodeProgram.build(plan, self.native)
+        program = (
+            None
+            if plan is None
+            else LlamaDecodeProgram.build(plan, self.native, self.fp32_copy_budget.take_spare)
+        )
         if program is not None and program.bf16_linears and has_native_bf16_matmul():
             # With AMX the program's own linears (AMX from 2 rows) beat torch's too (batch
             # 16: 18 ms a step against 66-220 ms on the layers), so measuring the layers only

@@ -257,11 +257,14 @@ class MergedColumnLinear(_ShardedLinear):
 
 @dataclass
 class Fp32CopyBudget:
-    """Bytes fp32 GEMM weight copies may still take (None: no limit), shared by every layer
-    of the models one platform runs."""
+    """Bytes GEMM weight copies may still take (None: no limit), shared by every layer of
+    the models one platform runs. `reserved`: what the layers' GEMM copies, made on first use,
+    may still ask for; `take_spare` (the native decode program's copies, made at load) leaves
+    it to them, since a prefill GEMM gains more from its copy than a decode batch."""
 
     left: int | None = None
     spent: int = 0
+    reserved: int = 0
 
     def take(self, nbytes: int) -> bool:
         if self.left is not None:
@@ -270,6 +273,11 @@ class Fp32CopyBudget:
             self.left -= nbytes
         self.spent += nbytes
         return True
+
+    def take_spare(self, nbytes: int) -> bool:
+        if self.left is not None and nbytes > self.left - self.reserved:
+            return False
+        return self.take(nbytes)
 
 
 def attach_fp32_gemm_weights(

@@ -1,0 +1,188 @@
+// bf16 matrices interleaved 16 rows at a time in pairs of columns (code kBF16 | kFmtRows16),
+// and tv_linear's GEMM on them for CPUs with AVX-512 Foundation but no BF16 dot products
+// (Skylake-SP to Ice Lake).
+//
+// Why a second layout: in the row layout (gemv_avx512f.cpp) every 16 bf16 weights cost a
+// widening and a shift on the FMA ports, and every (output row, input row) pair ends in a
+// horizontal sum; at 16-64 rows a decode step ran near 57 GFLOP/s a core there, against a
+// 166 GFLOP/s FMA peak. Here one 32-bit lane of a vector is one output row holding two of its
+// weights, k and k + 1: an AND and a shift give the fp32 weights k (even) and k + 1 (odd) of
+// 16 rows, and each is used by up to 12 input rows. Conversions are 4 of 52 FMA-port
+// instructions, and no sum crosses lanes.
+//
+// Layout: rows [16 g, 16 g + 16) of an [N][K] matrix (N % 16 == 0, K % 2 == 0) form group g,
+// K / 2 vectors of 64 bytes; vector p's lane r holds row 16 g + r's weights 2 p (low half) and
+// 2 p + 1 (high half). Same bytes as the matrix.
+//
+// Order: output (n, m) is one fp32 FMA chain over k = 0, 1, ..., K - 1 from zero, so its bits
+// do not depend on the batch, the tiling or the threads (the scalar path gives the same bits).
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+namespace tv {
+
+namespace {
+
+constexpr int kGroup = 16;
+constexpr int kMaxTile = 12;  // input rows per pass: 12 x 2 accumulators + 6 of 32 registers
+constexpr int kItemGroups = 2;
+
+float* rows_to_f32(const void* x, int x_dt, int64_t n) {
+  float* buf = static_cast<float*>(checked_aligned_alloc(n * 4));
+  for (int64_t i = 0; i < n; ++i) buf[i] = load(x, i, x_dt);
+  return buf;
+}
+
+// The same sums without vectors (CPUs or ISA levels without AVX-512), as pairs_tile.
+void pairs_tile_scalar(const uint32_t* w, int64_t K, const float* x, int mt, int ng,
+                       int64_t p0, int64_t p1, float* acc) {
+  const int64_t P = K / 2;
+  for (int m = 0; m < mt; ++m)
+    for (int g = 0; g < ng; ++g)
+      for (int r = 0; r < kGroup; ++r) {
+        float s = p0 ? acc[m * kItemGroups * kGroup + g * kGroup + r] : 0.0f;
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint32_t lane = w[(g * P + p) * kGroup + r];
+          s = fmaf(bf16_to_f32(static_cast<uint16_t>(lane)), x[m * K + 2 * p], s);
+          s = fmaf(bf16_to_f32(static_cast<uint16_t>(lane >> 16)), x[m * K + 2 * p + 1], s);
+        }
+        acc[m * kItemGroups * kGroup + g * kGroup + r] = s;
+      }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+
+// MT input rows x NG groups over the pairs [p0, p1), continuing the sums in acc [MT][32]
+// (zero first when p0 == 0).
+template <int MT, int NG>
+void pairs_tile(const uint32_t* w, int64_t K, const float* x, int64_t p0, int64_t p1,
+                float* acc_io) {
+  const int64_t P = K / 2;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[MT][NG];
+  for (int m = 0; m < MT; ++m)
+    for (int g = 0; g < NG; ++g)
+      acc[m][g] = p0 ? _mm512_loadu_ps(acc_io + m * kItemGroups * kGroup + g * kGroup)
+                     : _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512 even[NG], odd[NG];
+    for (int g = 0; g < NG; ++g) {
+      const __m512i v = _mm512_loadu_si512(w + (g * P + p) * kGroup);
+      even[g] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      odd[g] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xe = _mm512_set1_ps(x[m * K + 2 * p]);
+      const __m512 xo = _mm512_set1_ps(x[m * K + 2 * p + 1]);
+      for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_fmadd_ps(even[g], xe, acc[m][g]);
+      for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_fmadd_ps(odd[g], xo, acc[m][g]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int g = 0; g < NG; ++g)
+      _mm512_storeu_ps(acc_io + m * kItemGroups * kGroup + g * kGroup, acc[m][g]);
+}
+
+template <int NG>
+void pairs_tile_rows(const uint32_t* w, int64_t K, const float* x, int mt, int64_t p0,
+                     int64_t p1, float* acc) {
+  switch (mt) {
+    case 1: return pairs_tile<1, NG>(w, K, x, p0, p1, acc);
+    case 2: return pairs_tile<2, NG>(w, K, x, p0, p1, acc);
+    case 3: return pairs_tile<3, NG>(w, K, x, p0, p1, acc);
+    case 4: return pairs_tile<4, NG>(w, K, x, p0, p1, acc);
+    case 5: return pairs_tile<5, NG>(w, K, x, p0, p1, acc);
+    case 6: return pairs_tile<6, NG>(w, K, x, p0, p1, acc);
+    case 7: return pairs_tile<7, NG>(w, K, x, p0, p1, acc);
+    case 8: return pairs_tile<8, NG>(w, K, x, p0, p1, acc);
+    case 9: return pairs_tile<9, NG>(w, K, x, p0, p1, acc);
+    case 10: return pairs_tile<10, NG>(w, K, x, p0, p1, acc);
+    case 11: return pairs_tile<11, NG>(w, K, x, p0, p1, acc);
+    default: return pairs_tile<12, NG>(w, K, x, p0, p1, acc);
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace
+
+bool bf16_pairs_supported() { return avx512_foundation() && isa_level() != kIsaAvx512; }
+
+// out [M][N] (x_dt) = x [M][K] w^T (+ bias) for w in the pair layout. Items are 2 groups (32
+// output rows). Past one tile of input rows every tile passes over a block of kBlockPairs
+// pairs (32 KiB of weights, in L1) before the next block, its sums parked in acc between
+// blocks: the weights stream from memory once, while the tiles compute on them.
+void linear_bf16_pairs(const void* x, int x_dt, const void* w, const void* bias, int b_dt,
+                       void* out, int M, int64_t N, int64_t K, int nthreads) {
+  constexpr int64_t kBlockPairs = 256;
+  float* xf = rows_to_f32(x, x_dt, static_cast<int64_t>(M) * K);
+  const uint32_t* wp = static_cast<const uint32_t*>(w);
+  const int64_t groups = N / kGroup, P = K / 2;
+  const bool vec = avx512_foundation();
+  // Tiles as even as they can be (16 rows: 8 + 8, not 12 + 4, whose 4-row pass converts
+  // the weights for a third of the FMAs).
+  const int tiles = (M + kMaxTile - 1) / kMaxTile;
+  parallel_for((groups + kItemGroups - 1) / kItemGroups, nthreads, [&](int64_t item) {
+    const int64_t g0 = item * kItemGroups;
+    const int ng = groups - g0 < kItemGroups ? static_cast<int>(groups - g0) : kItemGroups;
+    const uint32_t* wg = wp + g0 * P * kGroup;
+    float* acc = static_cast<float*>(
+        checked_aligned_alloc(static_cast<int64_t>(M) * kItemGroups * kGroup * 4));
+    for (int64_t p0 = 0; p0 < P; p0 += kBlockPairs) {
+      const int64_t p1 = P - p0 < kBlockPairs ? P : p0 + kBlockPairs;
+      for (int t = 0, m0 = 0; t < tiles; ++t) {
+        const int mt = (M - m0) / (tiles - t);
+        const float* xt = xf + static_cast<int64_t>(m0) * K;
+        float* at = acc + static_cast<int64_t>(m0) * kItemGroups * kGroup;
+        if (!vec)
+          pairs_tile_scalar(wg, K, xt, mt, ng, p0, p1, at);
+        else if (ng == kItemGroups)
+          pairs_tile_rows<kItemGroups>(wg, K, xt, mt, p0, p1, at);
+        else
+          pairs_tile_rows<1>(wg, K, xt, mt, p0, p1, at);
+        m0 += mt;
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int64_t j = 0; j < ng * kGroup; ++j) {
+        const int64_t n = g0 * kGroup + j;
+        float v = acc[m * kItemGroups * kGroup + j];
+        if (bias) v += load(bias, n, b_dt);
+        store(out, m * N + n, v, x_dt);
+      }
+    free(acc);
+  });
+  free(xf);
+}
+
+}  // namespace tv
+
+extern "C" {
+
+// 1 when tv_linear_any runs bf16 matrices in the pair layout on this CPU's best kernels
+// (AVX-512 Foundation without BF16 dot products), so repacking pays.
+int tv_bf16_pairs_supported(void) { return tv::bf16_pairs_supported() ? 1 : 0; }
+
+// The bf16 matrix src [N][K] (N % 16 == 0, K % 2 == 0) in the pair layout at dst (as many
+// bytes), for code kBF16 | kFmtRows16.
+void tv_repack_bf16_pairs(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst,
+                          int nthreads) {
+  const int64_t P = K / 2;
+  tv::parallel_for(N / tv::kGroup, nthreads, [&](int64_t g) {
+    uint16_t* group = dst + g * P * tv::kGroup * 2;
+    for (int r = 0; r < tv::kGroup; ++r) {
+      const uint16_t* row = src + (g * tv::kGroup + r) * K;
+      for (int64_t p = 0; p < P; ++p) {
+        group[(p * tv::kGroup + r) * 2] = row[2 * p];
+        group[(p * tv::kGroup + r) * 2 + 1] = row[2 * p + 1];
+      }
+    }
+  });
+}
+
+}  // extern "C"
