@@ -21,7 +21,12 @@ from tinyvllm.engine.prompts import (  # noqa: F401  (re-exported: the engine's 
     claim_request_id,
     tokenize_prompt,
 )
-from tinyvllm.engine.setup import eos_token_id, fit_to_kv_cache, generation_config_eos
+from tinyvllm.engine.setup import (
+    eos_token_id,
+    fit_to_kv_cache,
+    generation_config_eos,
+    resolve_tokenizer,
+)
 from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import RequestMetrics, RequestOutput
 from tinyvllm.request import MultiModalFeature, Request, RequestStatus
@@ -41,11 +46,11 @@ class Engine:
         from tinyvllm.runner.model_runner import ModelRunner
         from tinyvllm.utils.device import resolve_device, resolve_dtype
 
-        self.tokenizer = tokenizer
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype)
         self.runner = ModelRunner(config, dtype, device)
         kv_size = self.runner.initialize_kv_cache()
+        self.tokenizer = tokenizer = resolve_tokenizer(tokenizer)
         self.config = config = fit_to_kv_cache(config, kv_size)
         caching = config.cache.enable_prefix_caching
         if kv_size.num_running_states and not config.cache.caches_state_snapshots:

@@ -20,6 +20,7 @@ from tinyvllm.core.block_pool import BlockPoolStats
 from tinyvllm.core.kv_cache_manager import KVCacheStats
 from tinyvllm.core.scheduler import SchedulerStats
 from tinyvllm.engine.engine import PromptType, check_token_ids, claim_request_id, tokenize_prompt
+from tinyvllm.engine.setup import resolve_tokenizer
 from tinyvllm.engine.stats import StatsCollector
 from tinyvllm.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics
 from tinyvllm.pooling_params import PoolingParams
@@ -54,9 +55,9 @@ class PoolingEngine:
         from tinyvllm.utils.device import resolve_device, resolve_dtype
 
         self.config = config
-        self.tokenizer = tokenizer
         device = resolve_device(config.device.device)
         self.runner = PoolingRunner(config, resolve_dtype(config.model.dtype), device)
+        self.tokenizer = resolve_tokenizer(tokenizer)
         self.waiting: dict[str, _Waiting] = {}  # FCFS: dicts keep insertion order
         self._counter = itertools.count()
         self.stats = StatsCollector()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -257,6 +258,12 @@ def _speculative_config(config: Any) -> Any:
     from tinyvllm.spec_decode import SpeculativeConfig
 
     return SpeculativeConfig.from_dict(config)
+
+
+def resolve_tokenizer(tokenizer: Any) -> Any:
+    """An engine's tokenizer argument: the tokenizer (or None), or the Future of one that
+    `create_engine` loads while the engine loads its model (its error raises here)."""
+    return tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:

@@ -39,18 +39,33 @@ inline int64_t q4_byte(int r, int k) { return 64 * (k / 8) + 4 * r + (k % 4); }
 inline int q4_shift(int k) { return k % 8 < 4 ? 0 : 4; }
 inline int64_t q8_byte(int r, int k) { return 64 * (k / 4) + 4 * r + (k % 4); }
 
-// One GGUF block of row r (at blk) into the group's block at base.
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+inline void store_u32(uint8_t* p, uint32_t v) { memcpy(p, &v, 4); }
+
+// One GGUF block of row r (at blk) into the group's block at base: whole 32-bit words (row r's
+// 4 bytes of each vector) from the block's quants, 4 at a time, as q4_byte / q8_byte place
+// them (a loop over single nibbles took ~150 ms of a SmolLM2-135M Q4_1 load).
 void pack_block(int fmt, const uint8_t* blk, int r, uint8_t* base) {
   if (fmt == kQ8_0) {
-    for (int k = 0; k < 32; ++k) base[q8_byte(r, k)] = static_cast<uint8_t>(blk[2 + k] ^ 0x80);
+    for (int j = 0; j < 8; ++j) store_u32(base + 64 * j + 4 * r, load_u32(blk + 2 + 4 * j) ^ 0x80808080u);
     memcpy(base + 512 + 2 * r, blk, 2);
     return;
   }
   const uint8_t* qs = blk + (fmt == kQ4_1 ? 4 : 2);
-  for (int k = 0; k < 32; ++k) {
-    const int q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
-    base[q4_byte(r, k)] |= static_cast<uint8_t>(q << q4_shift(k));
-  }
+  // qs[i] holds weight i (low nibble) and i + 16 (high); vector j's byte i of row r holds
+  // weights 8 j + i (low) and 8 j + 4 + i (high).
+  const uint32_t a0 = load_u32(qs), a1 = load_u32(qs + 4), a2 = load_u32(qs + 8),
+                 a3 = load_u32(qs + 12);
+  constexpr uint32_t lo = 0x0F0F0F0Fu, hi = 0xF0F0F0F0u;
+  store_u32(base + 4 * r, (a0 & lo) | (a1 & lo) << 4);
+  store_u32(base + 64 + 4 * r, (a2 & lo) | (a3 & lo) << 4);
+  store_u32(base + 128 + 4 * r, (a0 >> 4 & lo) | (a1 & hi));
+  store_u32(base + 192 + 4 * r, (a2 >> 4 & lo) | (a3 & hi));
   memcpy(base + 256 + 2 * r, blk, 2);
   if (fmt == kQ4_1) memcpy(base + 288 + 2 * r, blk + 2, 2);
 }
