@@ -1,23 +1,22 @@
 // bf16 matrices interleaved 16 rows at a time in pairs of columns (code kBF16 | kFmtRows16),
 // and tv_linear's GEMM on them for CPUs with AVX-512 Foundation but no BF16 dot products
-// (Skylake-SP to Ice Lake).
+// (Skylake-SP to Ice Lake; CPUs with vdpbf16ps or AMX keep their own kernels).
 //
-// Why a second layout: in the row layout (gemv_avx512f.cpp) every 16 bf16 weights cost a
-// widening and a shift on the FMA ports, and every (output row, input row) pair ends in a
-// horizontal sum; at 16-64 rows a decode step ran near 57 GFLOP/s a core there, against a
-// 166 GFLOP/s FMA peak. Here one 32-bit lane of a vector is one output row holding two of its
-// weights, k and k + 1: an AND and a shift give the fp32 weights k (even) and k + 1 (odd) of
-// 16 rows, and each is used by up to 12 input rows. Conversions are 4 of 52 FMA-port
-// instructions, and no sum crosses lanes.
+// Why a second layout: in the row layout (gemv_avx512f.cpp, cpu_kernels.cpp) every 16 bf16
+// weights cost a widening and a shift on the FMA ports, and every (output row, input row)
+// pair ends in a horizontal sum; at 16-64 rows a decode step ran near 57 GFLOP/s a core there
+// on an Ice Lake, against a 166 GFLOP/s FMA peak. Here one 32-bit lane of a vector is one
+// output row holding two of its weights, k and k + 1: an AND and a shift give the fp32
+// weights k (even) and k + 1 (odd) of 16 rows, each used by up to 12 input rows.
+// Conversions are 4 of 52 FMA-port instructions, and no sum crosses lanes.
 //
 // Layout: rows [16 g, 16 g + 16) of an [N][K] matrix (N % 16 == 0, K % 2 == 0) form group g,
 // K / 2 vectors of 64 bytes; vector p's lane r holds row 16 g + r's weights 2 p (low half) and
 // 2 p + 1 (high half). Same bytes as the matrix.
 //
 // Order: output (n, m) is one fp32 FMA chain over k = 0, 1, ..., K - 1 from zero, so its bits
-// do not depend on the batch, the tiling or the threads (the scalar path gives the same bits).
+// do not depend on the batch, the tiling, the threads or the instruction set.
 
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -37,21 +36,66 @@ float* rows_to_f32(const void* x, int x_dt, int64_t n) {
   return buf;
 }
 
-// The same sums without vectors (CPUs or ISA levels without AVX-512), as pairs_tile.
-void pairs_tile_scalar(const uint32_t* w, int64_t K, const float* x, int mt, int ng,
-                       int64_t p0, int64_t p1, float* acc) {
+// pairs_tile on AVX2 (16 registers), for a repacked matrix where the ISA is forced down
+// (tv_set_isa): the group's 16 rows as two 8-lane halves, up to 4 input rows a pass, the same
+// FMA chain per output (so the same bits as the AVX-512 tile).
+template <int MT, int NG>
+void pairs_tile_avx2(const uint32_t* w, int64_t K, const float* x, int64_t p0, int64_t p1,
+                     float* acc_io) {
   const int64_t P = K / 2;
-  for (int m = 0; m < mt; ++m)
-    for (int g = 0; g < ng; ++g)
-      for (int r = 0; r < kGroup; ++r) {
-        float s = p0 ? acc[m * kItemGroups * kGroup + g * kGroup + r] : 0.0f;
-        for (int64_t p = p0; p < p1; ++p) {
-          const uint32_t lane = w[(g * P + p) * kGroup + r];
-          s = fmaf(bf16_to_f32(static_cast<uint16_t>(lane)), x[m * K + 2 * p], s);
-          s = fmaf(bf16_to_f32(static_cast<uint16_t>(lane >> 16)), x[m * K + 2 * p + 1], s);
-        }
-        acc[m * kItemGroups * kGroup + g * kGroup + r] = s;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int g = 0; g < NG; ++g) {
+    __m256 acc[MT][2];
+    float* out = acc_io + g * kGroup;
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h)
+        acc[m][h] = p0 ? _mm256_loadu_ps(out + m * kItemGroups * kGroup + 8 * h)
+                       : _mm256_setzero_ps();
+    const uint32_t* wg = w + g * P * kGroup;
+    for (int64_t p = p0; p < p1; ++p) {
+      __m256 even[2], odd[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * kGroup + 8 * h));
+        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
       }
+      for (int m = 0; m < MT; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(x + m * K + 2 * p);
+        const __m256 xo = _mm256_broadcast_ss(x + m * K + 2 * p + 1);
+        for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(even[h], xe, acc[m][h]);
+        for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(odd[h], xo, acc[m][h]);
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(out + m * kItemGroups * kGroup + 8 * h, acc[m][h]);
+  }
+}
+
+template <int NG>
+void pairs_rows_avx2(const uint32_t* w, int64_t K, const float* x, int rows, int64_t p0,
+                     int64_t p1, float* acc) {
+  switch (rows) {
+    case 1: return pairs_tile_avx2<1, NG>(w, K, x, p0, p1, acc);
+    case 2: return pairs_tile_avx2<2, NG>(w, K, x, p0, p1, acc);
+    case 3: return pairs_tile_avx2<3, NG>(w, K, x, p0, p1, acc);
+    default: return pairs_tile_avx2<4, NG>(w, K, x, p0, p1, acc);
+  }
+}
+
+// Up to 12 rows as passes of up to 4.
+void pairs_tile_rows_avx2(const uint32_t* w, int64_t K, const float* x, int mt, int ng,
+                          int64_t p0, int64_t p1, float* acc) {
+  for (int m0 = 0; m0 < mt; m0 += 4) {
+    const float* xm = x + m0 * K;
+    float* am = acc + m0 * kItemGroups * kGroup;
+    const int rows = mt - m0 < 4 ? mt - m0 : 4;
+    if (ng == kItemGroups)
+      pairs_rows_avx2<kItemGroups>(w, K, xm, rows, p0, p1, am);
+    else
+      pairs_rows_avx2<1>(w, K, xm, rows, p0, p1, am);
+  }
 }
 
 #pragma GCC push_options
@@ -111,6 +155,10 @@ void pairs_tile_rows(const uint32_t* w, int64_t K, const float* x, int mt, int64
 
 }  // namespace
 
+// AVX-512 Foundation only: on AVX2 (measured on the same Ice Lake with the ISA forced down)
+// the pair tile lost to the row kernels up to 8 rows (M = 1: 33.5 vs 22.4 ms for a
+// SmolLM2-135M step's linears) and won only 4-23% past 16, so AVX2 CPUs keep the rows; the
+// AVX2 tile reads a repacked matrix where the ISA is forced down.
 bool bf16_pairs_supported() { return avx512_foundation() && isa_level() != kIsaAvx512; }
 
 // out [M][N] (x_dt) = x [M][K] w^T (+ bias) for w in the pair layout. Items are 2 groups (32
@@ -123,7 +171,7 @@ void linear_bf16_pairs(const void* x, int x_dt, const void* w, const void* bias,
   float* xf = rows_to_f32(x, x_dt, static_cast<int64_t>(M) * K);
   const uint32_t* wp = static_cast<const uint32_t*>(w);
   const int64_t groups = N / kGroup, P = K / 2;
-  const bool vec = avx512_foundation();
+  const bool wide = avx512_foundation();
   // Tiles as even as they can be (16 rows: 8 + 8, not 12 + 4, whose 4-row pass converts
   // the weights for a third of the FMAs).
   const int tiles = (M + kMaxTile - 1) / kMaxTile;
@@ -139,8 +187,8 @@ void linear_bf16_pairs(const void* x, int x_dt, const void* w, const void* bias,
         const int mt = (M - m0) / (tiles - t);
         const float* xt = xf + static_cast<int64_t>(m0) * K;
         float* at = acc + static_cast<int64_t>(m0) * kItemGroups * kGroup;
-        if (!vec)
-          pairs_tile_scalar(wg, K, xt, mt, ng, p0, p1, at);
+        if (!wide)
+          pairs_tile_rows_avx2(wg, K, xt, mt, ng, p0, p1, at);
         else if (ng == kItemGroups)
           pairs_tile_rows<kItemGroups>(wg, K, xt, mt, p0, p1, at);
         else
