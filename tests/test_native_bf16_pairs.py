@@ -15,7 +15,8 @@ from test_native_decode import _near_tie_divergence, _prompts, _run
 from tinyvllm import LLM
 from tinyvllm.native.abi import FORMAT_BF16, FORMAT_ROWS16
 from tinyvllm.native.build import load_library, unsupported_reason
-from tinyvllm.native.ops import NativeCpuOps
+from tinyvllm.native.llama_decode import MAX_PAIRS_ROWS
+from tinyvllm.native.ops import NativeCpuOps, max_linear_rows
 from tinyvllm.native.quant_ops import QuantKernels
 
 PAIRS = FORMAT_BF16 | FORMAT_ROWS16
@@ -115,6 +116,7 @@ def test_decode_program_takes_pair_copies_within_the_budget(tiny_models) -> None
         pytest.skip("CPU whose best kernels do not read the pair layout")
     paired = LLM(str(path), **kw)
     assert _linear_codes(paired) == {PAIRS}
+    assert paired.engine.runner.decode_program.max_rows == MAX_PAIRS_ROWS
     budget = paired.engine.runner.platform.fp32_copy_budget
     fp32_most, pairs = budget.reserved, budget.spent  # no GEMM copy made yet
     assert fp32_most > 0 and pairs > 0
@@ -122,6 +124,7 @@ def test_decode_program_takes_pair_copies_within_the_budget(tiny_models) -> None
     # none, one for both gives both.
     rows = LLM(str(path), fp32_weight_copy_bytes=fp32_most, **kw)
     assert _linear_codes(rows) == {FORMAT_BF16}
+    assert rows.engine.runner.decode_program.max_rows == max_linear_rows(torch.bfloat16)
     both = LLM(str(path), fp32_weight_copy_bytes=fp32_most + pairs, **kw)
     assert _linear_codes(both) == {PAIRS}
     vocab = paired.engine.config.model.vocab_size
@@ -130,3 +133,14 @@ def test_decode_program_takes_pair_copies_within_the_budget(tiny_models) -> None
     ref = _run(eager, prompts)
     _near_tie_divergence(ref, _run(paired, prompts), margin=0.1)
     _near_tie_divergence(ref, _run(rows, prompts), margin=0.1)
+    # 5 prompts, 103 tokens: the first step is one program call past max_linear_rows.
+    short = _prompts(vocab, seed=2)
+    assert 64 < sum(len(p["prompt_token_ids"]) for p in short) <= MAX_PAIRS_ROWS
+    program = paired.engine.runner.decode_program
+    steps: list[int] = []
+    run = program.run
+    program.run = lambda input_ids, *a, **k: (
+        steps.append(input_ids.shape[0]) or run(input_ids, *a, **k)
+    )
+    _near_tie_divergence(_run(eager, short), _run(paired, short), margin=0.1)
+    assert steps[0] == sum(len(p["prompt_token_ids"]) for p in short)

@@ -39,6 +39,12 @@ if TYPE_CHECKING:
     from tinyvllm.attention.recurrent import RecurrentMetadata
 
 _ACTIVATIONS = {"silu": ACT_SILU, "gelu_tanh": ACT_GELU_TANH}
+# Tokens a step may have for the program when every linear is in the bf16 pair layout: its GEMM
+# runs ~230 GFLOP/s on 2 Ice Lake cores there, near MKL's on the fp32 copies, without the
+# layers' per-op cost. The 64-request mix (throughput.py (d)) ran 315-325 tok/s with 128,
+# 298-309 with 64 (max_linear_rows) and 289-300 with 256 (the program's per-token attention
+# then takes prefill chunks the layers' prefill kernel does better).
+MAX_PAIRS_ROWS = 128
 _STATUS = {
     STATUS_WORKSPACE_TOO_SMALL: "workspace too small",
     STATUS_NO_STATE_SLOTS: "a short-conv model got no state slots",
@@ -157,17 +163,19 @@ class LlamaDecodeProgram:
         self._keep = keep  # tensors whose memory the program points into
         self.hidden_size = int(model.hidden)
         self.dtype = torch.float32 if model.dt == 0 else torch.bfloat16
-        self.max_rows = max_linear_rows(self.dtype)
         self._fn = ops.lib.tv_llama_decode
         # Short-conv layers (LFM2) need each request's state slot every step.
         self.needs_state_slots = any(layer.kind == LAYER_SHORT_CONV for layer in layers)
-        # Every linear a bf16 matrix: the layers can run the same step on torch's bf16 GEMMs
-        # (see decode_route.py); GGUF blocks and fp32 weights stay on the program.
-        self.bf16_linears = all(
-            fmt & ~FORMAT_ROWS16 == FORMAT_BF16
+        codes = [
+            fmt
             for layer in layers
             for fmt in (layer.qkv_fmt, layer.o_fmt, layer.gate_up_fmt, layer.down_fmt)
-        )
+        ]
+        # Every linear a bf16 matrix: the layers can run the same step on torch's bf16 GEMMs
+        # (see decode_route.py); GGUF blocks and fp32 weights stay on the program.
+        self.bf16_linears = all(fmt & ~FORMAT_ROWS16 == FORMAT_BF16 for fmt in codes)
+        pairs = all(fmt == FORMAT_BF16 | FORMAT_ROWS16 for fmt in codes)
+        self.max_rows = MAX_PAIRS_ROWS if pairs else max_linear_rows(self.dtype)
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._workspace_rows = 0
         self._grow_workspace(self.max_rows)
