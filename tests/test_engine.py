@@ -360,7 +360,8 @@ def test_fp32_gemm_copies_are_made_on_first_use_within_the_budget(tiny_models, m
     assert budget.spent == 2 * layer_bytes
 
     monkeypatch.setattr(cpu_platform, "has_native_bf16_matmul", lambda: False)
-    long_prompt = {"prompt_token_ids": list(range(1, 101))}  # past the native 64-row path
+    # Past the native program's steps (64 tokens, 128 with its bf16 pair-layout copies).
+    long_prompt = {"prompt_token_ids": list(range(1, 151))}
 
     def copies(**kwargs: Any) -> tuple[int, bool]:
         llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", max_model_len=160, **kwargs)

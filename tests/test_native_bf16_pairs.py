@@ -1,7 +1,7 @@
 """bf16 weights in the pair layout (tinyvllm/native/bf16_pairs.cpp): the repacking puts each
 weight where the layout says, the GEMM on it agrees with fp32 matmul within rounding, gives a
 row the same bits whatever the batch, tiling, threads or instruction set,
-and the decode program takes the layout within the weight-copy budget."""
+and the decode program takes the layout at its first batch, within the weight-copy budget."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tinyvllm.native.abi import FORMAT_BF16, FORMAT_ROWS16
 from tinyvllm.native.build import load_library, unsupported_reason
 from tinyvllm.native.llama_decode import MAX_PAIRS_ROWS
 from tinyvllm.native.ops import NativeCpuOps, max_linear_rows
+from tinyvllm.native.pair_copies import LINEARS
 from tinyvllm.native.quant_ops import QuantKernels
 
 PAIRS = FORMAT_BF16 | FORMAT_ROWS16
@@ -107,32 +108,42 @@ def _linear_codes(llm: LLM) -> set[int]:
     }
 
 
+def _pair_bytes(llm: LLM) -> int:
+    plan = llm.engine.runner.model.native_decode_plan()
+    return sum(getattr(layer, name).data.nbytes for layer in plan.layers for name in LINEARS)
+
+
 @pytest.mark.usefixtures("one_torch_thread")
-def test_decode_program_takes_pair_copies_within_the_budget(tiny_models) -> None:
+def test_decode_program_takes_pair_copies_at_a_batch_within_the_budget(tiny_models) -> None:
     path: Path = tiny_models["llama"]
     kw = {"dtype": "bfloat16", "max_model_len": 256}
     if not load_library().tv_bf16_pairs_supported():
         assert _linear_codes(LLM(str(path), **kw)) == {FORMAT_BF16}
         pytest.skip("CPU whose best kernels do not read the pair layout")
     paired = LLM(str(path), **kw)
-    assert _linear_codes(paired) == {PAIRS}
-    assert paired.engine.runner.decode_program.max_rows == MAX_PAIRS_ROWS
     budget = paired.engine.runner.platform.fp32_copy_budget
-    fp32_most, pairs = budget.reserved, budget.spent  # no GEMM copy made yet
-    assert fp32_most > 0 and pairs > 0
-    # The layers' fp32 GEMM copies come first: a budget they may use up leaves the program
-    # none, one for both gives both.
-    rows = LLM(str(path), fp32_weight_copy_bytes=fp32_most, **kw)
-    assert _linear_codes(rows) == {FORMAT_BF16}
-    assert rows.engine.runner.decode_program.max_rows == max_linear_rows(torch.bfloat16)
-    both = LLM(str(path), fp32_weight_copy_bytes=fp32_most + pairs, **kw)
-    assert _linear_codes(both) == {PAIRS}
+    fp32_most = budget.reserved
+    assert fp32_most > 0 and budget.spent == 0
     vocab = paired.engine.config.model.vocab_size
+    # Single-sequence steps (3 tokens, then 1) make no copy: the layouts tie there.
+    _run(paired, [{"prompt_token_ids": [5, 6, 7]}], max_tokens=3)
+    assert _linear_codes(paired) == {FORMAT_BF16} and budget.spent == 0
+    assert paired.engine.runner.decode_program.max_rows == max_linear_rows(torch.bfloat16)
     prompts = _prompts(vocab, seed=1) + _prompts(vocab, seed=4)  # 10 rows: one pair tile
     eager = LLM(str(path), enforce_eager=True, **kw)
     ref = _run(eager, prompts)
     _near_tie_divergence(ref, _run(paired, prompts), margin=0.1)
+    assert _linear_codes(paired) == {PAIRS}
+    assert paired.engine.runner.decode_program.max_rows == MAX_PAIRS_ROWS
+    # The layers' fp32 GEMM copies come first: a budget they may use up leaves the program
+    # none, one for both gives both.
+    rows = LLM(str(path), fp32_weight_copy_bytes=fp32_most, **kw)
     _near_tie_divergence(ref, _run(rows, prompts), margin=0.1)
+    assert _linear_codes(rows) == {FORMAT_BF16}
+    assert rows.engine.runner.decode_program.max_rows == max_linear_rows(torch.bfloat16)
+    both = LLM(str(path), fp32_weight_copy_bytes=fp32_most + _pair_bytes(paired), **kw)
+    _run(both, prompts, max_tokens=2)
+    assert _linear_codes(both) == {PAIRS}
     # 5 prompts, 103 tokens: the first step is one program call past max_linear_rows.
     short = _prompts(vocab, seed=2)
     assert 64 < sum(len(p["prompt_token_ids"]) for p in short) <= MAX_PAIRS_ROWS

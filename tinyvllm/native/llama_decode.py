@@ -34,6 +34,8 @@ from tinyvllm.native.abi import (
 )
 from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan, NativeMatrix
 from tinyvllm.native.ops import NativeCpuOps, max_linear_rows
+from tinyvllm.native.pair_copies import FORMAT_PAIRS, PAIRS_MIN_ROWS, PairCopies
+from tinyvllm.native.pair_copies import LINEARS as PAIR_LINEARS
 
 if TYPE_CHECKING:
     from tinyvllm.attention.recurrent import RecurrentMetadata
@@ -59,11 +61,8 @@ class _Binder:
     """Turns a plan's tensors into pointers, checking what the kernels assume, and keeps the
     tensors alive for as long as the program points into them."""
 
-    def __init__(
-        self, dtype: torch.dtype, pack: Callable[[torch.Tensor], torch.Tensor | None]
-    ) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.pack = pack
         self.keep: list[torch.Tensor] = []
 
     def tensor(self, t: torch.Tensor | None, dtype: torch.dtype | None = None) -> int | None:
@@ -75,18 +74,13 @@ class _Binder:
         self.keep.append(t)
         return t.data_ptr()
 
-    def matrix(self, m: NativeMatrix, linear: bool = True) -> tuple[int, int]:
-        """(pointer, format code) of a weight (a linear's, else the embedding's, which stays
-        in place); its bias goes through `tensor`."""
+    def matrix(self, m: NativeMatrix) -> tuple[int, int]:
+        """(pointer, format code) of a weight; its bias goes through `tensor`."""
         dense = m.fmt <= FORMAT_BF16
         if not m.data.is_contiguous() or m.data.device.type != "cpu":
             raise _Unsupported
         if dense and m.data.dtype != self.dtype:
             raise _Unsupported
-        packed = self.pack(m.data) if linear and m.fmt == FORMAT_BF16 else None
-        if packed is not None:  # the GEMM of bf16_pairs.cpp reads its own copy
-            self.keep.append(packed)
-            return packed.data_ptr(), FORMAT_BF16 | FORMAT_ROWS16
         self.keep.append(m.data)
         return m.data.data_ptr(), m.fmt
 
@@ -126,7 +120,7 @@ class _Binder:
 
     def model(self, plan: DecodePlan, dt: int, num_threads: int, layers: ctypes.Array) -> TvModel:
         kv = next(layer.kv_cache for layer in plan.layers if layer.kv_cache is not None)
-        embed_ptr, embed_fmt = self.matrix(plan.embed, linear=False)
+        embed_ptr, embed_fmt = self.matrix(plan.embed)
         return TvModel(
             dt,
             num_threads,
@@ -155,7 +149,14 @@ class _Binder:
 
 
 class LlamaDecodeProgram:
-    def __init__(self, ops: NativeCpuOps, model: TvModel, layers: ctypes.Array, keep: list):
+    def __init__(
+        self,
+        ops: NativeCpuOps,
+        model: TvModel,
+        layers: ctypes.Array,
+        keep: list,
+        pairs: PairCopies | None = None,
+    ):
         self.ops = ops
         self._model = model
         self._model_ref = ctypes.byref(model)  # made once: the step passes it every call
@@ -166,19 +167,22 @@ class LlamaDecodeProgram:
         self._fn = ops.lib.tv_llama_decode
         # Short-conv layers (LFM2) need each request's state slot every step.
         self.needs_state_slots = any(layer.kind == LAYER_SHORT_CONV for layer in layers)
-        codes = [
-            fmt
-            for layer in layers
-            for fmt in (layer.qkv_fmt, layer.o_fmt, layer.gate_up_fmt, layer.down_fmt)
-        ]
         # Every linear a bf16 matrix: the layers can run the same step on torch's bf16 GEMMs
         # (see decode_route.py); GGUF blocks and fp32 weights stay on the program.
-        self.bf16_linears = all(fmt & ~FORMAT_ROWS16 == FORMAT_BF16 for fmt in codes)
-        pairs = all(fmt == FORMAT_BF16 | FORMAT_ROWS16 for fmt in codes)
-        self.max_rows = MAX_PAIRS_ROWS if pairs else max_linear_rows(self.dtype)
+        self.bf16_linears = all(fmt & ~FORMAT_ROWS16 == FORMAT_BF16 for fmt in self._codes())
+        self._pairs = pairs if pairs is not None and pairs.pending else None
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._workspace_rows = 0
-        self._grow_workspace(self.max_rows)
+        self._set_max_rows()
+
+    def _codes(self) -> list[int]:
+        return [getattr(layer, f"{name}_fmt") for layer in self._layers for name in PAIR_LINEARS]
+
+    def _set_max_rows(self) -> None:
+        pairs = all(fmt == FORMAT_PAIRS for fmt in self._codes())
+        self.max_rows = MAX_PAIRS_ROWS if pairs else max_linear_rows(self.dtype)
+        if self.max_rows > self._workspace_rows:
+            self._grow_workspace(self.max_rows)
 
     @classmethod
     def build(
@@ -190,10 +194,10 @@ class LlamaDecodeProgram:
         """The program for a model's plan (KV caches bound), or None when the kernels cannot
         run it.
 
-        On CPUs whose best GEMM reads bf16 weights in the pair layout (`NativeCpuOps.
-        bf16_pairs`: 1.4-1.9x faster at 8-64 rows on an AVX-512 Ice Lake) the program keeps
-        its own repacked copy of each bf16 linear, as far as `take_copy_bytes` (the platform's
-        weight-copy budget; None: no limit) grants their bytes; other weights stay in place."""
+        On CPUs whose best GEMM reads bf16 weights in the pair layout the program makes its
+        own repacked copy of each bf16 linear at its first step of `PAIRS_MIN_ROWS` tokens, as
+        far as `take_copy_bytes` (the platform's weight-copy budget; None: no limit) grants
+        their bytes (pair_copies.py); other weights stay in place."""
         dt = format_code(plan.dtype)
         if dt is None or plan.num_heads // plan.num_kv_heads > MAX_QUERIES_PER_KV:
             return None
@@ -205,21 +209,17 @@ class LlamaDecodeProgram:
         tables = [t for layer in plan.layers for t in (layer.cos_cache, layer.sin_cache)]
         if any(t is not None and t.shape != plan.cos_cache.shape for t in tables):
             return None  # every rope table must cover the same positions and rotary dims
-
-        def pack(weight: torch.Tensor) -> torch.Tensor | None:
-            if ops.bf16_pairs_fit(weight) and (
-                take_copy_bytes is None or take_copy_bytes(weight.nbytes)
-            ):
-                return ops.bf16_pairs(weight)
-            return None
-
-        binder = _Binder(plan.dtype, pack)
+        binder = _Binder(plan.dtype)
         try:
             layers = (TvLayer * len(plan.layers))(*map(binder.layer, plan.layers))
             model = binder.model(plan, dt, ops.num_threads, layers)
         except _Unsupported:
             return None
-        return cls(ops, model, layers, binder.keep)
+        pairs = PairCopies(ops, take_copy_bytes)
+        for layer, layer_plan in zip(layers, plan.layers, strict=True):
+            for name in PAIR_LINEARS:
+                pairs.note(layer, name, getattr(layer_plan, name).data)
+        return cls(ops, model, layers, binder.keep, pairs)
 
     def _grow_workspace(self, rows: int) -> None:
         """Room for steps of up to `rows` tokens (the program's one allocation)."""
@@ -231,7 +231,14 @@ class LlamaDecodeProgram:
 
     def supports(self, num_tokens: int) -> bool:
         """Batches of up to `max_rows` tokens: decode, K + 1 verify, short prefill chunks
-        (longer ones are GEMM work that torch's batched kernels do better)."""
+        (longer ones are GEMM work that torch's batched kernels do better). The first batch of
+        `PAIRS_MIN_ROWS` tokens or more makes the pair copies, if any wait (then `max_rows`
+        may grow)."""
+        if self._pairs is not None and num_tokens >= PAIRS_MIN_ROWS:
+            self._pairs.make()
+            self._keep.extend(self._pairs.keep)
+            self._pairs = None
+            self._set_max_rows()
         return 0 < num_tokens <= self.max_rows
 
     def run(

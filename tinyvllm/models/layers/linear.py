@@ -259,25 +259,32 @@ class MergedColumnLinear(_ShardedLinear):
 class Fp32CopyBudget:
     """Bytes GEMM weight copies may still take (None: no limit), shared by every layer of
     the models one platform runs. `reserved`: what the layers' GEMM copies, made on first use,
-    may still ask for; `take_spare` (the native decode program's copies, made at load) leaves
-    it to them, since a prefill GEMM gains more from its copy than a decode batch."""
+    may still ask for (each ask, granted or not, ends its reservation); `take_spare` (the
+    native decode program's copies) leaves it to them, since a prefill GEMM gains more from its
+    copy than a decode batch."""
 
     left: int | None = None
     spent: int = 0
     reserved: int = 0
 
     def take(self, nbytes: int) -> bool:
+        """For a layer's GEMM copy."""
+        self.reserved = max(0, self.reserved - nbytes)
+        return self._spend(nbytes)
+
+    def take_spare(self, nbytes: int) -> bool:
+        """For another copy, past what is reserved."""
+        if self.left is not None and nbytes > self.left - self.reserved:
+            return False
+        return self._spend(nbytes)
+
+    def _spend(self, nbytes: int) -> bool:
         if self.left is not None:
             if nbytes > self.left:
                 return False
             self.left -= nbytes
         self.spent += nbytes
         return True
-
-    def take_spare(self, nbytes: int) -> bool:
-        if self.left is not None and nbytes > self.left - self.reserved:
-            return False
-        return self.take(nbytes)
 
 
 def attach_fp32_gemm_weights(

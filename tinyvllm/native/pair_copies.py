@@ -1,0 +1,54 @@
+"""The decode program's bf16 linears in the pair layout (bf16_pairs.cpp), made when a step
+first needs them.
+
+On CPUs whose best GEMM reads that layout (`NativeCpuOps.bf16_pairs`: AVX-512 without BF16)
+a step of 8-64 rows runs 1.2-1.9x faster on it, a single row no faster (memory-bound either
+way). The copy costs 1x the bf16 bytes, so it is made at the first step of `PAIRS_MIN_ROWS`
+tokens or more: a chat that only ever decodes one sequence never pays for it. The weights the
+model's own layers read stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tinyvllm.native.abi import FORMAT_BF16, FORMAT_ROWS16, TvLayer
+from tinyvllm.native.ops import NativeCpuOps
+
+FORMAT_PAIRS = FORMAT_BF16 | FORMAT_ROWS16
+# Tokens of the first step that makes the copies: below it the two layouts tie.
+PAIRS_MIN_ROWS = 8
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+class PairCopies:
+    """bf16 linears of bound layers (`TvLayer` fields `<name>_w` / `<name>_fmt`) waiting for
+    their copies, taken within `take_copy_bytes` (the platform's weight-copy budget; None: no
+    limit) when `make` runs."""
+
+    def __init__(
+        self, ops: NativeCpuOps, take_copy_bytes: Callable[[int], bool] | None = None
+    ) -> None:
+        self.ops = ops
+        self.take_copy_bytes = take_copy_bytes
+        self.pending: list[tuple[TvLayer, str, torch.Tensor]] = []
+        self.keep: list[torch.Tensor] = []  # the copies the layers point into
+
+    def note(self, layer: TvLayer, name: str, weight: torch.Tensor) -> None:
+        """`layer`'s linear `name` reads the bf16 rows `weight` until `make` repacks it."""
+        if getattr(layer, f"{name}_fmt") == FORMAT_BF16 and self.ops.bf16_pairs_fit(weight):
+            self.pending.append((layer, name, weight))
+
+    def make(self) -> None:
+        """Repack every pending linear the budget grants (in layer order), once."""
+        for layer, name, weight in self.pending:
+            if self.take_copy_bytes is not None and not self.take_copy_bytes(weight.nbytes):
+                continue
+            packed = self.ops.bf16_pairs(weight)
+            assert packed is not None  # bf16_pairs_fit held when noted
+            self.keep.append(packed)
+            setattr(layer, f"{name}_w", packed.data_ptr())
+            setattr(layer, f"{name}_fmt", FORMAT_PAIRS)
+        self.pending.clear()
