@@ -274,3 +274,11 @@ def pin_program_route(llm: Any) -> None:
     route = llm.engine.runner.platform.decode_route
     if route is not None:
         route.fixed = PROGRAM
+
+
+def keep_program_rows(monkeypatch: Any) -> None:
+    """The native decode program keeps its bf16 linears in the rows the per-layer path reads
+    (no pair-layout copies, native/pair_copies.py): for tests comparing the two bit for bit."""
+    from tinyvllm.native.ops import NativeCpuOps
+
+    monkeypatch.setattr(NativeCpuOps, "bf16_pairs_fit", lambda self, weight: False)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import pin_program_route
+from fixtures import keep_program_rows, pin_program_route
 from lfm2_checkpoint import build_tiny_lfm2
 
 from tinyvllm import LLM, SamplingParams
@@ -365,9 +365,13 @@ def test_native_decode_program_resumes_a_state_snapshot(lfm2_dir: Path) -> None:
     assert llm.get_stats().state_hits - before == 3 and ran == planned and ran
 
 
-def test_native_decode_program_matches_the_layer_path_in_bf16(lfm2_dir: Path) -> None:
+def test_native_decode_program_matches_the_layer_path_in_bf16(
+    lfm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bf16: the program rounds like ShortConv's torch ops, so tokens and logprobs equal the
-    per-layer path's (same kernels for linears, norms and attention)."""
+    per-layer path's (same kernels for linears, norms and attention, the weights in the same
+    rows)."""
+    keep_program_rows(monkeypatch)
     program_llm = _llm(lfm2_dir, enforce_eager=False, dtype="bfloat16")
     expected, ran = _count_program_steps(program_llm)
     layer_llm = _llm(lfm2_dir, enforce_eager=False, dtype="bfloat16")

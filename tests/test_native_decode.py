@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import pin_program_route
+from fixtures import keep_program_rows, pin_program_route
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.native.build import unsupported_reason
-from tinyvllm.native.ops import NativeCpuOps
 
 pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
@@ -80,7 +79,7 @@ def test_decode_program_is_bit_identical_to_native_layers(
     """The one-call program runs exactly the kernels the per-layer native path runs (given
     the same weight layout: its own pair-layout bf16 GEMM is tested in
     test_native_bf16_pairs.py)."""
-    monkeypatch.setattr(NativeCpuOps, "bf16_pairs_fit", lambda self, weight: False)
+    keep_program_rows(monkeypatch)
     for family in ("qwen2", "qwen3", "mistral"):
         llm = LLM(str(tiny_models[family]), dtype=dtype, max_model_len=256)
         pin_program_route(llm)
