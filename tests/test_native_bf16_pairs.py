@@ -1,7 +1,7 @@
 """bf16 weights in the pair layout (tinyvllm/native/bf16_pairs.cpp): the repacking puts each
 weight where the layout says, the GEMM on it agrees with fp32 matmul within rounding, gives a
-row the same bits whatever the batch, tiling, threads or instruction set,
-and the decode program takes the layout at its first batch, within the weight-copy budget."""
+row the same bits whatever the batch, tiling, threads or instruction set, and the decode
+program takes the layout at its first batch of requests, within the weight-copy budget."""
 
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ def test_decode_program_takes_pair_copies_at_a_batch_within_the_budget(tiny_mode
     fp32_most = budget.reserved
     assert fp32_most > 0 and budget.spent == 0
     vocab = paired.engine.config.model.vocab_size
-    # Single-sequence steps (3 tokens, then 1) make no copy: the layouts tie there.
-    _run(paired, [{"prompt_token_ids": [5, 6, 7]}], max_tokens=3)
+    # One sequence (a 20-token prompt step, then single rows) makes no copy.
+    _run(paired, [{"prompt_token_ids": list(range(5, 25))}], max_tokens=3)
     assert _linear_codes(paired) == {FORMAT_BF16} and budget.spent == 0
     assert paired.engine.runner.decode_program.max_rows == max_linear_rows(torch.bfloat16)
     prompts = _prompts(vocab, seed=1) + _prompts(vocab, seed=4)  # 10 rows: one pair tile

@@ -189,7 +189,7 @@ class EngineArgs:
     # bytes of them (None: no limit; 0: none, those GEMMs then run slower, no extra memory).
     # The same budget covers the native decode program's bf16 copies in its pair layout (1x,
     # AVX-512 CPUs without BF16: batched decode GEMMs 1.2-1.9x faster), made at the program's
-    # first step of 8+ tokens, after what the fp32 copies may still need.
+    # first step of 8+ requests, after what the fp32 copies may still need.
     fp32_weight_copy_bytes: int | None = None
     # vLLM's speculative_config dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: dict[str, Any] | None = None

@@ -34,7 +34,7 @@ from tinyvllm.native.abi import (
 )
 from tinyvllm.native.decode_plan import DecodeLayerPlan, DecodePlan, NativeMatrix
 from tinyvllm.native.ops import NativeCpuOps, max_linear_rows
-from tinyvllm.native.pair_copies import FORMAT_PAIRS, PAIRS_MIN_ROWS, PairCopies
+from tinyvllm.native.pair_copies import FORMAT_PAIRS, PAIRS_MIN_REQUESTS, PairCopies
 from tinyvllm.native.pair_copies import LINEARS as PAIR_LINEARS
 
 if TYPE_CHECKING:
@@ -195,9 +195,9 @@ class LlamaDecodeProgram:
         run it.
 
         On CPUs whose best GEMM reads bf16 weights in the pair layout the program makes its
-        own repacked copy of each bf16 linear at its first step of `PAIRS_MIN_ROWS` tokens, as
-        far as `take_copy_bytes` (the platform's weight-copy budget; None: no limit) grants
-        their bytes (pair_copies.py); other weights stay in place."""
+        own repacked copy of each bf16 linear at its first step of `PAIRS_MIN_REQUESTS`
+        requests, as far as `take_copy_bytes` (the platform's weight-copy budget; None: no
+        limit) grants their bytes (pair_copies.py); other weights stay in place."""
         dt = format_code(plan.dtype)
         if dt is None or plan.num_heads // plan.num_kv_heads > MAX_QUERIES_PER_KV:
             return None
@@ -231,15 +231,16 @@ class LlamaDecodeProgram:
 
     def supports(self, num_tokens: int) -> bool:
         """Batches of up to `max_rows` tokens: decode, K + 1 verify, short prefill chunks
-        (longer ones are GEMM work that torch's batched kernels do better). The first batch of
-        `PAIRS_MIN_ROWS` tokens or more makes the pair copies, if any wait (then `max_rows`
-        may grow)."""
-        if self._pairs is not None and num_tokens >= PAIRS_MIN_ROWS:
-            self._pairs.make()
-            self._keep.extend(self._pairs.keep)
-            self._pairs = None
-            self._set_max_rows()
+        (longer ones are GEMM work that torch's batched kernels do better)."""
         return 0 < num_tokens <= self.max_rows
+
+    def _make_pairs(self) -> None:
+        """The pair copies, once (then `max_rows` may grow)."""
+        assert self._pairs is not None
+        self._pairs.make()
+        self._keep.extend(self._pairs.keep)
+        self._pairs = None
+        self._set_max_rows()
 
     def run(
         self,
@@ -253,6 +254,8 @@ class LlamaDecodeProgram:
         """Final hidden states [T, hidden] of every scheduled token; a model with short-conv
         layers reads and writes each request's state slot of `recurrent`."""
         t = input_ids.shape[0]
+        if self._pairs is not None and query_start_loc.shape[0] - 1 >= PAIRS_MIN_REQUESTS:
+            self._make_pairs()  # the first batch of requests: the copies pay from now on
         if t > self._workspace_rows:
             self._grow_workspace(t)
         out = torch.empty((t, self.hidden_size), dtype=self.dtype)

@@ -3,9 +3,10 @@ first needs them.
 
 On CPUs whose best GEMM reads that layout (`NativeCpuOps.bf16_pairs`: AVX-512 without BF16)
 a step of 8-64 rows runs 1.2-1.9x faster on it, a single row no faster (memory-bound either
-way). The copy costs 1x the bf16 bytes, so it is made at the first step of `PAIRS_MIN_ROWS`
-tokens or more: a chat that only ever decodes one sequence never pays for it. The weights the
-model's own layers read stay as they are.
+way). The copy costs 1x the bf16 bytes, so it is made at the first step of
+`PAIRS_MIN_REQUESTS` requests or more (a decode batch): a chat that only ever runs one
+sequence never pays for it (its prompt steps run on the rows). The weights the model's own
+layers read stay as they are.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from tinyvllm.native.abi import FORMAT_BF16, FORMAT_ROWS16, TvLayer
 from tinyvllm.native.ops import NativeCpuOps
 
 FORMAT_PAIRS = FORMAT_BF16 | FORMAT_ROWS16
-# Tokens of the first step that makes the copies: below it the two layouts tie.
-PAIRS_MIN_ROWS = 8
+# Requests in the first step that makes the copies: decode batches below it gain ~1.2x at
+# most, a single sequence nothing.
+PAIRS_MIN_REQUESTS = 8
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 
