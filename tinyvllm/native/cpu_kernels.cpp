@@ -195,10 +195,10 @@ void tv_linear(const void* x, int x_dt, const void* w, int w_dt, const void* bia
   const bool wide = avx512_foundation();  // 16 columns per FMA (gemv_avx512f.cpp)
   const int64_t nchunks = (N + kChunk - 1) / kChunk, ntiles = (M + 7) / 8;
   parallel_for(ntiles * nchunks, nthreads, [&](int64_t item) {
-    const int m0 = static_cast<int>(item % ntiles) * 8;
+    const int m0 = static_cast<int>(item / nchunks) * 8;
     const int tile = M - m0 < 8 ? M - m0 : 8;
     const float* xt = xf + static_cast<int64_t>(m0) * K;
-    const int64_t n0 = item / ntiles * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
+    const int64_t n0 = item % nchunks * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
     alignas(32) float acc[kChunk * 8];  // [row][tile]
     if (w_dt && wide)
       gemv_avx512f(static_cast<const uint16_t*>(w), xt, tile, K, n0, n1, N, acc);
