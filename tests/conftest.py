@@ -64,6 +64,18 @@ def tiny_model_dir(request: pytest.FixtureRequest, tiny_models: TinyModels) -> P
     return tiny_models[request.param]
 
 
+@pytest.fixture()
+def lib() -> Iterator:
+    """The native library (tests of it skip without one), its instruction set back to the
+    CPU's best afterwards (tests force AVX2 with tv_set_isa)."""
+    from tinyvllm.native.build import load_library
+
+    loaded = load_library()
+    assert loaded is not None
+    yield loaded
+    loaded.tv_set_isa(0)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     # Tiny models gain nothing from intra-op threads, and on two busy cores OpenMP's spinning

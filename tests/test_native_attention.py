@@ -4,14 +4,12 @@ cross block boundaries."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from attention_cases import paged_decode_reference
 
 from tinyvllm.native import NativeCpuOps
-from tinyvllm.native.build import load_library, unsupported_reason
+from tinyvllm.native.build import unsupported_reason
 from tinyvllm.utils.cpu import cpu_flags
 
 AVX2, BEST = 1, 0  # tv_set_isa: AVX2 only, or the best this CPU has
@@ -21,14 +19,6 @@ pytestmark = [
     pytest.mark.skipif(unsupported_reason() is not None, reason="native kernels unavailable"),
     pytest.mark.skipif(not cpu_flags() >= WIDE_FLAGS, reason="CPU without AVX-512"),
 ]
-
-
-@pytest.fixture()
-def lib() -> Iterator:
-    loaded = load_library()
-    assert loaded is not None
-    yield loaded
-    loaded.tv_set_isa(0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,7 +5,6 @@ program takes the layout at its first batch of requests, within the weight-copy 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,6 @@ AVX2 = 1
 pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
 )
-
-
-@pytest.fixture()
-def lib() -> Iterator:
-    loaded = load_library()
-    assert loaded is not None
-    yield loaded
-    loaded.tv_set_isa(0)  # back to the best the CPU has
 
 
 def _repack(lib, w: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,6 @@ rounding, and keep each row's bits independent of the batch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -21,14 +19,6 @@ pytestmark = pytest.mark.skipif(
     unsupported_reason() is not None, reason=f"native kernels unavailable: {unsupported_reason()}"
 )
 wide_only = pytest.mark.skipif(not cpu_flags() >= WIDE_FLAGS, reason="CPU without AVX-512 BF16")
-
-
-@pytest.fixture()
-def lib() -> Iterator:
-    loaded = load_library()
-    assert loaded is not None
-    yield loaded
-    loaded.tv_set_isa(0)  # back to the best the CPU has
 
 
 def test_best_kernels_are_the_cpus() -> None:

@@ -19,8 +19,8 @@ def create_engine(args: EngineArgs) -> AnyEngine:
 
     The tokenizer loads in a thread while the engine loads its model (the engine waits for it
     only once the model is in place): its parsing (`tokenizers`' Rust, transformers' imports
-    for a checkpoint directory) runs on another core while the weights are read and repacked,
-    ~0.1 s of a 1.6 s start-up for a GGUF chat model."""
+    for a checkpoint directory) can run on another core while the weights are read and
+    repacked."""
     args.validate()
     import_runtime()
     config = build_engine_config(args)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 # Dtype codes of activations, dense weights, biases and caches (common.h `load` / `store`);
 # they double as the weight format codes of dense rows.

@@ -17,18 +17,19 @@
 // Order: output (n, m) is one fp32 FMA chain over k = 0, 1, ..., K - 1 from zero, so its bits
 // do not depend on the batch, the tiling, the threads or the instruction set.
 
+#include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
+#include "bf16_pairs_tile.h"
 #include "common.h"
 
 namespace tv {
 
 namespace {
 
-constexpr int kGroup = 16;
-constexpr int kMaxTile = 12;  // input rows per pass: 12 x 2 accumulators + 6 of 32 registers
-constexpr int kItemGroups = 2;
+using pairs::kGroup;
+using pairs::kItemGroups;
+constexpr int kMaxTile = 12;  // input rows per tile (the AVX-512 pass)
 
 float* rows_to_f32(const void* x, int x_dt, int64_t n) {
   float* buf = static_cast<float*>(checked_aligned_alloc(n * 4));
@@ -36,122 +37,22 @@ float* rows_to_f32(const void* x, int x_dt, int64_t n) {
   return buf;
 }
 
-// pairs_tile on AVX2 (16 registers), for a repacked matrix where the ISA is forced down
-// (tv_set_isa): the group's 16 rows as two 8-lane halves, up to 4 input rows a pass, the same
-// FMA chain per output (so the same bits as the AVX-512 tile).
-template <int MT, int NG>
-void pairs_tile_avx2(const uint32_t* w, int64_t K, const float* x, int64_t p0, int64_t p1,
-                     float* acc_io) {
-  const int64_t P = K / 2;
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int g = 0; g < NG; ++g) {
-    __m256 acc[MT][2];
-    float* out = acc_io + g * kGroup;
-    for (int m = 0; m < MT; ++m)
-      for (int h = 0; h < 2; ++h)
-        acc[m][h] = p0 ? _mm256_loadu_ps(out + m * kItemGroups * kGroup + 8 * h)
-                       : _mm256_setzero_ps();
-    const uint32_t* wg = w + g * P * kGroup;
-    for (int64_t p = p0; p < p1; ++p) {
-      __m256 even[2], odd[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + p * kGroup + 8 * h));
-        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      }
-      for (int m = 0; m < MT; ++m) {
-        const __m256 xe = _mm256_broadcast_ss(x + m * K + 2 * p);
-        const __m256 xo = _mm256_broadcast_ss(x + m * K + 2 * p + 1);
-        for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(even[h], xe, acc[m][h]);
-        for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(odd[h], xo, acc[m][h]);
-      }
-    }
-    for (int m = 0; m < MT; ++m)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_ps(out + m * kItemGroups * kGroup + 8 * h, acc[m][h]);
+// AVX2 (16 registers), for a repacked matrix where the ISA is forced down (tv_set_isa): a
+// group's 16 rows as two 8-lane halves, up to 4 input rows a pass.
+struct PairLanes256 {
+  using Vec = __m256;
+  static constexpr int kLanes = 8;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static Vec broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static void split(const uint32_t* w, Vec& even, Vec& odd) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536)));
   }
-}
-
-template <int NG>
-void pairs_rows_avx2(const uint32_t* w, int64_t K, const float* x, int rows, int64_t p0,
-                     int64_t p1, float* acc) {
-  switch (rows) {
-    case 1: return pairs_tile_avx2<1, NG>(w, K, x, p0, p1, acc);
-    case 2: return pairs_tile_avx2<2, NG>(w, K, x, p0, p1, acc);
-    case 3: return pairs_tile_avx2<3, NG>(w, K, x, p0, p1, acc);
-    default: return pairs_tile_avx2<4, NG>(w, K, x, p0, p1, acc);
-  }
-}
-
-// Up to 12 rows as passes of up to 4.
-void pairs_tile_rows_avx2(const uint32_t* w, int64_t K, const float* x, int mt, int ng,
-                          int64_t p0, int64_t p1, float* acc) {
-  for (int m0 = 0; m0 < mt; m0 += 4) {
-    const float* xm = x + m0 * K;
-    float* am = acc + m0 * kItemGroups * kGroup;
-    const int rows = mt - m0 < 4 ? mt - m0 : 4;
-    if (ng == kItemGroups)
-      pairs_rows_avx2<kItemGroups>(w, K, xm, rows, p0, p1, am);
-    else
-      pairs_rows_avx2<1>(w, K, xm, rows, p0, p1, am);
-  }
-}
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
-
-// MT input rows x NG groups over the pairs [p0, p1), continuing the sums in acc [MT][32]
-// (zero first when p0 == 0).
-template <int MT, int NG>
-void pairs_tile(const uint32_t* w, int64_t K, const float* x, int64_t p0, int64_t p1,
-                float* acc_io) {
-  const int64_t P = K / 2;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 acc[MT][NG];
-  for (int m = 0; m < MT; ++m)
-    for (int g = 0; g < NG; ++g)
-      acc[m][g] = p0 ? _mm512_loadu_ps(acc_io + m * kItemGroups * kGroup + g * kGroup)
-                     : _mm512_setzero_ps();
-  for (int64_t p = p0; p < p1; ++p) {
-    __m512 even[NG], odd[NG];
-    for (int g = 0; g < NG; ++g) {
-      const __m512i v = _mm512_loadu_si512(w + (g * P + p) * kGroup);
-      even[g] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      odd[g] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-    }
-    for (int m = 0; m < MT; ++m) {
-      const __m512 xe = _mm512_set1_ps(x[m * K + 2 * p]);
-      const __m512 xo = _mm512_set1_ps(x[m * K + 2 * p + 1]);
-      for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_fmadd_ps(even[g], xe, acc[m][g]);
-      for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_fmadd_ps(odd[g], xo, acc[m][g]);
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int g = 0; g < NG; ++g)
-      _mm512_storeu_ps(acc_io + m * kItemGroups * kGroup + g * kGroup, acc[m][g]);
-}
-
-template <int NG>
-void pairs_tile_rows(const uint32_t* w, int64_t K, const float* x, int mt, int64_t p0,
-                     int64_t p1, float* acc) {
-  switch (mt) {
-    case 1: return pairs_tile<1, NG>(w, K, x, p0, p1, acc);
-    case 2: return pairs_tile<2, NG>(w, K, x, p0, p1, acc);
-    case 3: return pairs_tile<3, NG>(w, K, x, p0, p1, acc);
-    case 4: return pairs_tile<4, NG>(w, K, x, p0, p1, acc);
-    case 5: return pairs_tile<5, NG>(w, K, x, p0, p1, acc);
-    case 6: return pairs_tile<6, NG>(w, K, x, p0, p1, acc);
-    case 7: return pairs_tile<7, NG>(w, K, x, p0, p1, acc);
-    case 8: return pairs_tile<8, NG>(w, K, x, p0, p1, acc);
-    case 9: return pairs_tile<9, NG>(w, K, x, p0, p1, acc);
-    case 10: return pairs_tile<10, NG>(w, K, x, p0, p1, acc);
-    case 11: return pairs_tile<11, NG>(w, K, x, p0, p1, acc);
-    default: return pairs_tile<12, NG>(w, K, x, p0, p1, acc);
-  }
-}
-
-#pragma GCC pop_options
+};
 
 }  // namespace
 
@@ -187,12 +88,10 @@ void linear_bf16_pairs(const void* x, int x_dt, const void* w, const void* bias,
         const int mt = (M - m0) / (tiles - t);
         const float* xt = xf + static_cast<int64_t>(m0) * K;
         float* at = acc + static_cast<int64_t>(m0) * kItemGroups * kGroup;
-        if (!wide)
-          pairs_tile_rows_avx2(wg, K, xt, mt, ng, p0, p1, at);
-        else if (ng == kItemGroups)
-          pairs_tile_rows<kItemGroups>(wg, K, xt, mt, p0, p1, at);
+        if (wide)
+          bf16_pairs_block_avx512f(wg, K, xt, mt, ng, p0, p1, at);
         else
-          pairs_tile_rows<1>(wg, K, xt, mt, p0, p1, at);
+          pairs::block<PairLanes256, 4>(wg, K, xt, mt, ng, p0, p1, at);
         m0 += mt;
       }
     }
@@ -221,13 +120,13 @@ int tv_bf16_pairs_supported(void) { return tv::bf16_pairs_supported() ? 1 : 0; }
 void tv_repack_bf16_pairs(const uint16_t* src, int64_t N, int64_t K, uint16_t* dst,
                           int nthreads) {
   const int64_t P = K / 2;
-  tv::parallel_for(N / tv::kGroup, nthreads, [&](int64_t g) {
-    uint16_t* group = dst + g * P * tv::kGroup * 2;
-    for (int r = 0; r < tv::kGroup; ++r) {
-      const uint16_t* row = src + (g * tv::kGroup + r) * K;
+  tv::parallel_for(N / tv::pairs::kGroup, nthreads, [&](int64_t g) {
+    uint16_t* group = dst + g * P * tv::pairs::kGroup * 2;
+    for (int r = 0; r < tv::pairs::kGroup; ++r) {
+      const uint16_t* row = src + (g * tv::pairs::kGroup + r) * K;
       for (int64_t p = 0; p < P; ++p) {
-        group[(p * tv::kGroup + r) * 2] = row[2 * p];
-        group[(p * tv::kGroup + r) * 2 + 1] = row[2 * p + 1];
+        group[(p * tv::pairs::kGroup + r) * 2] = row[2 * p];
+        group[(p * tv::pairs::kGroup + r) * 2 + 1] = row[2 * p + 1];
       }
     }
   });

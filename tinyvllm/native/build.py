@@ -40,6 +40,7 @@ SOURCES = (
     Path(__file__).with_name("avx512_kernels.cpp"),
     Path(__file__).with_name("gemv_avx512f.cpp"),
     Path(__file__).with_name("bf16_pairs.cpp"),
+    Path(__file__).with_name("bf16_pairs_avx512f.cpp"),
     Path(__file__).with_name("int8_kernels.cpp"),
     Path(__file__).with_name("rows16_layout.cpp"),
     Path(__file__).with_name("int8_rows16.cpp"),
@@ -64,6 +65,7 @@ HEADERS = (
     Path(__file__).with_name("int8_act.h"),
     Path(__file__).with_name("rows16_kernels.h"),
     Path(__file__).with_name("bf16_rows16_exact.h"),
+    Path(__file__).with_name("bf16_pairs_tile.h"),
     Path(__file__).with_name("prefill_attn_f32.h"),
 )
 # No fp contraction: element-wise steps must round exactly like the eager ops they replace.

@@ -13,7 +13,7 @@
 
 // The ABI this source tree exports (tinyvllm/native/abi.py declares it for ctypes: signatures,
 // struct layouts, codes). Bump both together on any change the Python side must follow.
-#define TV_ABI_VERSION 13
+#define TV_ABI_VERSION 14
 
 namespace tv {
 

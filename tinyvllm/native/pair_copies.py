@@ -11,6 +11,7 @@ layers read stay as they are.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,8 @@ FORMAT_PAIRS = FORMAT_BF16 | FORMAT_ROWS16
 # most, a single sequence nothing.
 PAIRS_MIN_REQUESTS = 8
 LINEARS = ("qkv", "o", "gate_up", "down")
+
+logger = logging.getLogger(__name__)
 
 
 class PairCopies:
@@ -53,4 +56,10 @@ class PairCopies:
             self.keep.append(packed)
             setattr(layer, f"{name}_w", packed.data_ptr())
             setattr(layer, f"{name}_fmt", FORMAT_PAIRS)
+        logger.info(
+            "decode program: %d of %d bf16 linears repacked to the pair layout (%.0f MiB)",
+            len(self.keep),
+            len(self.pending),
+            sum(t.nbytes for t in self.keep) / 2**20,
+        )
         self.pending.clear()

@@ -52,7 +52,8 @@ inline void store_u32(uint8_t* p, uint32_t v) { memcpy(p, &v, 4); }
 // them (a loop over single nibbles took ~150 ms of a SmolLM2-135M Q4_1 load).
 void pack_block(int fmt, const uint8_t* blk, int r, uint8_t* base) {
   if (fmt == kQ8_0) {
-    for (int j = 0; j < 8; ++j) store_u32(base + 64 * j + 4 * r, load_u32(blk + 2 + 4 * j) ^ 0x80808080u);
+    for (int j = 0; j < 8; ++j)
+      store_u32(base + 64 * j + 4 * r, load_u32(blk + 2 + 4 * j) ^ 0x80808080u);
     memcpy(base + 512 + 2 * r, blk, 2);
     return;
   }
@@ -133,8 +134,7 @@ void tv_repack_rows16(const void* src, int fmt, int64_t N, int64_t K, void* dst,
   const uint8_t* s = static_cast<const uint8_t*>(src);
   uint8_t* d = static_cast<uint8_t*>(dst);
   tv::parallel_for(N / tv::kGroup, nthreads, [&](int64_t g) {
-    uint8_t* group = d + g * nb * gb;
-    memset(group, 0, nb * gb);
+    uint8_t* group = d + g * nb * gb;  // pack_block writes every byte of it
     for (int r = 0; r < tv::kGroup; ++r) {
       const uint8_t* row = s + (g * tv::kGroup + r) * nb * bb;
       for (int64_t b = 0; b < nb; ++b) tv::pack_block(fmt, row + b * bb, r, group + b * gb);

@@ -327,17 +327,11 @@ class CpuPlatform(Platform):
         if self.native is None or build_plan is None:
             return None
         plan = build_plan()
-        spent = self.fp32_copy_budget.spent
         program = (
             None
             if plan is None
             else LlamaDecodeProgram.build(plan, self.native, self.fp32_copy_budget.take_spare)
         )
-        if self.fp32_copy_budget.spent > spent:
-            logger.info(
-                "decode program: bf16 linears repacked to the pair layout (%.0f MiB copy)",
-                (self.fp32_copy_budget.spent - spent) / 2**20,
-            )
         if program is not None and program.bf16_linears and has_native_bf16_matmul():
             # With AMX the program's own linears (AMX from 2 rows) beat torch's too (batch
             # 16: 18 ms a step against 66-220 ms on the layers), so measuring the layers only
